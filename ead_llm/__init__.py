@@ -1,0 +1,31 @@
+"""ead-llm: a small and a large language model behaving as one cheaper large model."""
+
+from ead_llm.engine import Completion, Engine, Request
+from ead_llm.ledger import Cost, Pricing
+from ead_llm.llm import EntropyAdaptiveLLM
+from ead_llm.loading import LoadConfig, ModelPair, load_pair
+from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
+from ead_llm.sampling import SamplingParams
+from ead_llm.types import FinishReason, Role, TokenEvent
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EAD",
+    "Completion",
+    "Cost",
+    "Engine",
+    "EntropyAdaptiveLLM",
+    "FinishReason",
+    "LargeOnly",
+    "LoadConfig",
+    "ModelPair",
+    "Policy",
+    "Pricing",
+    "Request",
+    "Role",
+    "SamplingParams",
+    "SmallOnly",
+    "TokenEvent",
+    "load_pair",
+]

@@ -1,0 +1,155 @@
+"""The ``ead-llm`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
+
+POLICY_NAMES = ("ead", "small", "large")
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    if args.policy == "small":
+        return SmallOnly()
+    if args.policy == "large":
+        return LargeOnly()
+    return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell)
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="decoding policy (default: ead)")
+    parser.add_argument("--threshold", type=float, default=0.25, help="EAD threshold in bits (default 0.25)")
+    parser.add_argument("--window", type=int, default=5, help="EAD rolling window in tokens (default 5)")
+    parser.add_argument("--min-dwell", type=int, default=10, help="EAD minimum tokens between switches (default 10)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ead_llm.llm import EntropyAdaptiveLLM
+
+    llm = EntropyAdaptiveLLM(
+        small=args.small,
+        large=args.large,
+        policy=_policy(args),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    result = llm.generate([args.prompt])
+    generation = result.generations[0][0]
+    if args.json:
+        info = generation.generation_info or {}
+        print(json.dumps({"text": generation.text, **info}, indent=2))
+    else:
+        print(generation.text)
+        print(json.dumps(result.llm_output["cost"] if result.llm_output else {}, indent=2), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ead_llm.embedded import embedded_pair
+    from ead_llm.llm import EntropyAdaptiveLLM
+    from ead_llm.tiny import build_tiny_pair
+
+    console = Console()
+    try:
+        small, large = embedded_pair()
+        prompts = ["12+35=", "7*8=", "100-1="]
+        threshold = args.threshold if args.threshold is not None else 0.25
+    except FileNotFoundError:
+        folder = tempfile.mkdtemp(prefix="ead-llm-demo-")
+        console.print(
+            "[yellow]No embedded pair is shipped yet: running on a tiny pair with random weights. "
+            "It shows the machinery (switching, catch-up, the bill), not the quality.[/yellow]"
+        )
+        small_path, large_path = build_tiny_pair(folder, seed=0)
+        small, large = str(small_path), str(large_path)
+        prompts = ["12+35=", "7*8=", "100-1="]
+        threshold = args.threshold if args.threshold is not None else 4.0
+    llm = EntropyAdaptiveLLM(small=small, large=large, policy=EAD(threshold=threshold, min_dwell=4), max_tokens=48)
+    result = llm.generate(prompts)
+    table = Table(title=f"EAD threshold {threshold} bits: large-model tokens in magenta")
+    for column in ("prompt", "completion", "L tokens", "switches", "param ratio", "FLOPs"):
+        table.add_column(column)
+    for prompt, (generation,) in zip(prompts, result.generations, strict=True):
+        info = generation.generation_info or {}
+        cost = info["cost"]
+        marked = "".join(
+            f"[bold magenta]{_escape(ch)}[/bold magenta]" if m == "L" else _escape(ch)
+            for ch, m in zip(_split_tokens(llm, info["token_ids"]), info["models"], strict=True)
+        )
+        table.add_row(
+            prompt,
+            marked,
+            f"{cost['large_tokens']}/{cost['completion_tokens']}",
+            str(cost["switches"]),
+            f"{cost['parameter_ratio']:.3f}",
+            f"{cost['flops']:.3g}",
+        )
+    console.print(table)
+    console.print_json(json.dumps(result.llm_output["cost"] if result.llm_output else {}))
+    return 0
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text).replace("\n", "\\n")
+
+
+def _split_tokens(llm: Any, token_ids: Sequence[int]) -> list[str]:
+    tokenizer = llm.engine.tokenizer
+    return [tokenizer.decode([t], skip_special_tokens=True) for t in token_ids]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ead-llm", description="A small and a large LM as one cheaper LM, switching on entropy."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete one prompt and print the text and its cost")
+    generate.add_argument("prompt")
+    generate.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    generate.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    generate.add_argument("--device", default=None)
+    generate.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    generate.add_argument("--json", action="store_true", help="print text, cost and per-token models as JSON")
+    _add_sampling(generate)
+    generate.set_defaults(func=cmd_generate)
+    demo = commands.add_parser("demo", help="offline demo on the embedded pair")
+    demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"ead-llm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

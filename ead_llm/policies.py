@@ -1,0 +1,177 @@
+"""Decoding policies: each decides, token by token, which model of the pair speaks.
+
+A policy is a frozen settings object with pure transitions over an explicit per-sequence state:
+``start()`` gives the state before the first token, ``choose(state)`` names the model that
+produces the next token, and ``advance(state, role, entropy)`` returns the state after that
+model emitted a token whose distribution had ``entropy`` bits (raw logits, before temperature).
+Policies never run models and never write to the ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+from ead_llm.types import Role
+from ead_llm.validation import check_float, check_int
+
+
+class Policy(ABC):
+    """Base class of every policy; subclasses are frozen dataclasses."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def start(self) -> Any:
+        """State of a sequence before its first generated token."""
+
+    @abstractmethod
+    def choose(self, state: Any) -> Role:
+        """The model that produces the next token."""
+
+    @abstractmethod
+    def advance(self, state: Any, role: Role, entropy: float) -> Any:
+        """State after ``role`` emitted a token whose distribution had ``entropy`` bits."""
+
+    def describe(self) -> dict[str, Any]:
+        """Name and settings, for logs and results."""
+        return {"policy": self.name, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
+
+
+@dataclass(frozen=True)
+class SingleModelState:
+    """State of a policy that always uses one model (nothing changes)."""
+
+
+@dataclass(frozen=True)
+class SmallOnly(Policy):
+    """Every token from the small model."""
+
+    name: ClassVar[str] = "small_only"
+
+    def start(self) -> SingleModelState:
+        return SingleModelState()
+
+    def choose(self, state: SingleModelState) -> Role:
+        return Role.SMALL
+
+    def advance(self, state: SingleModelState, role: Role, entropy: float) -> SingleModelState:
+        return state
+
+
+@dataclass(frozen=True)
+class LargeOnly(Policy):
+    """Every token from the large model."""
+
+    name: ClassVar[str] = "large_only"
+
+    def start(self) -> SingleModelState:
+        return SingleModelState()
+
+    def choose(self, state: SingleModelState) -> Role:
+        return Role.LARGE
+
+    def advance(self, state: SingleModelState, role: Role, entropy: float) -> SingleModelState:
+        return state
+
+
+@dataclass(frozen=True)
+class EADState:
+    """Per-sequence state of EAD."""
+
+    active: Role
+    """The model that produces the next token."""
+    since_switch: int
+    """Tokens generated since the last switch (or since the start)."""
+    window: tuple[float, ...]
+    """Entropies (bits) of the most recent tokens, oldest first, at most ``window`` long."""
+
+
+def rolling_mean(values: Sequence[float]) -> float:
+    """Mean of ``values`` (the EAD window); 0 for an empty window."""
+    return sum(values) / len(values) if values else 0.0
+
+
+def ead_target(mean_entropy: float, threshold: float) -> Role:
+    """The model EAD wants for a window mean: large strictly above the threshold."""
+    return Role.LARGE if mean_entropy > threshold else Role.SMALL
+
+
+@dataclass(frozen=True)
+class EAD(Policy):
+    """Entropy Adaptive Decoding (arXiv 2502.06833).
+
+    After each token, append the producing model's entropy (bits) to a window of the last
+    ``window`` tokens. Once ``min_dwell`` tokens have been generated since the last switch, the
+    next token comes from the large model if the window mean exceeds ``threshold`` and from the
+    small model otherwise; before that the active model is kept.
+
+    Unpublished choices (ours): the sequence starts on ``start`` (small by default); the window
+    keeps its history across a switch unless ``reset_window_on_switch`` (with the default
+    ``window <= min_dwell`` the choice cannot matter, because a decision only happens once the
+    window holds tokens of the current model alone).
+    """
+
+    name: ClassVar[str] = "ead"
+
+    threshold: float = 0.25
+    """Switch threshold on the window mean, in bits (>= 0; inf never uses the large model)."""
+    window: int = 5
+    """Tokens in the rolling mean (>= 1)."""
+    min_dwell: int = 10
+    """Tokens to generate after a switch before the next decision (>= 0)."""
+    start_on: Role = Role.SMALL
+    """Model that produces the first token."""
+    reset_window_on_switch: bool = False
+    """Forget the window's entropies when the active model changes."""
+
+    def __post_init__(self) -> None:
+        check_float("threshold", self.threshold, minimum=0.0, allow_inf=True)
+        check_int("window", self.window, minimum=1)
+        check_int("min_dwell", self.min_dwell, minimum=0)
+        try:
+            object.__setattr__(self, "start_on", Role(self.start_on))
+        except ValueError:
+            raise ValueError(f"start_on must be 'small' or 'large', got {self.start_on!r}") from None
+        if not isinstance(self.reset_window_on_switch, bool):
+            raise ValueError(f"reset_window_on_switch must be a bool, got {self.reset_window_on_switch!r}")
+
+    def start(self) -> EADState:
+        return EADState(active=self.start_on, since_switch=0, window=())
+
+    def choose(self, state: EADState) -> Role:
+        return state.active
+
+    def advance(self, state: EADState, role: Role, entropy: float) -> EADState:
+        window = (*state.window, entropy)[-self.window :]
+        since = state.since_switch + 1
+        if since < self.min_dwell:
+            return replace(state, since_switch=since, window=window)
+        target = ead_target(rolling_mean(window), self.threshold)
+        if target is state.active:
+            return replace(state, since_switch=since, window=window)
+        return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
+
+
+def describe_policy(policy: Policy) -> dict[str, Any]:
+    """JSON-friendly description of a policy (enum values as strings, inf as a string)."""
+    out: dict[str, Any] = {}
+    for key, value in policy.describe().items():
+        if isinstance(value, Role):
+            value = value.value
+        elif isinstance(value, float) and math.isinf(value):
+            value = "inf"
+        out[key] = value
+    return out
+
+
+def check_policy(value: Any, name: str = "policy") -> Policy:
+    """Return ``value`` if it is a policy object, else raise a ``ValueError`` that says what to pass."""
+    if not isinstance(value, Policy):
+        raise ValueError(
+            f"{name} must be a policy object such as EAD(threshold=0.25), SmallOnly() or LargeOnly(), got {value!r}"
+        )
+    return value

@@ -1,0 +1,109 @@
+"""Incremental detokenization and stop-string matching on the decoded text."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(
+        self,
+        token_ids: list[int],
+        skip_special_tokens: bool = ...,  # noqa: FBT001 (transformers' signature)
+        **kwargs: Any,
+    ) -> str | list[str]: ...
+
+
+class IncrementalDetokenizer:
+    """Turns generated token ids into text pieces, one call per token.
+
+    Each new piece is the difference between decoding a short window that ends at the new token
+    and the same window without it, so that tokenizers which drop a leading space or emit a
+    partial UTF-8 character on their own still give exact text. A piece is released only once
+    it no longer ends in an incomplete character.
+    """
+
+    def __init__(self, tokenizer: Decoder, context: Sequence[int] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = list(context[-6:])
+        self._prefix = 0
+        self._read = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        text = self._tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith(REPLACEMENT_CHAR):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before) :]
+        return ""
+
+    def flush(self) -> str:
+        """Text still held at the end of the sequence (an incomplete character decodes as U+FFFD)."""
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before) :]
+
+
+def first_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Start index of the stop string that is completed first in ``text`` (earliest end), or None.
+
+    Among stops ending at the same place, the longer one (earlier start) wins.
+    """
+    best: tuple[int, int] | None = None
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0:
+            key = (start + len(stop), start)
+            if best is None or key < best:
+                best = key
+    return None if best is None else best[1]
+
+
+def held_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    longest = 0
+    for stop in stops:
+        for size in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:size]):
+                longest = size
+                break
+    return longest
+
+
+class StopMatcher:
+    """Releases streamed text while holding back anything that could still become a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stops)
+        self._held = ""
+        self.matched = False
+
+    def push(self, piece: str) -> str:
+        """Add a piece; return the text that is safe to release. Sets ``matched`` on a stop."""
+        if self.matched:
+            return ""
+        buffer = self._held + piece
+        start = first_stop(buffer, self._stops)
+        if start is not None:
+            self.matched = True
+            self._held = ""
+            return buffer[:start]
+        keep = held_suffix(buffer, self._stops)
+        self._held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """Release what is held when the sequence ends without a stop."""
+        held, self._held = self._held, ""
+        return held

@@ -1,0 +1,52 @@
+"""Small value types that pass between the policy, the runner, the sampler and the ledger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Role(str, Enum):
+    """Which model of the pair."""
+
+    SMALL = "small"
+    LARGE = "large"
+
+    def other(self) -> Role:
+        return Role.LARGE if self is Role.SMALL else Role.SMALL
+
+
+class FinishReason(str, Enum):
+    """Why a sequence ended (OpenAI's vocabulary: a stop string or EOS is ``stop``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+
+
+@dataclass(frozen=True)
+class ForwardWork:
+    """One forward pass of one model over one sequence: ``tokens`` new positions after ``past``."""
+
+    role: Role
+    tokens: int
+    past: int
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One emitted token of one sequence; the engine yields exactly one per generated token.
+
+    ``text`` is the text released by this token: it may be empty while the detokenizer waits
+    for the rest of a UTF-8 character or the stop matcher holds back a possible stop string, and
+    the last event of a sequence carries everything still held. Joining the ``text`` of a
+    sequence's events gives its completion. ``work`` lists the forward passes run to produce
+    this token (prompt prefill and catch-up included).
+    """
+
+    index: int
+    token_id: int
+    text: str
+    role: Role
+    entropy: float
+    work: tuple[ForwardWork, ...]
+    finish_reason: FinishReason | None = None
