@@ -9,7 +9,7 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from ead_llm.embedded import embedded_pair
 from ead_llm.engine import Completion, Engine, Request
@@ -82,18 +82,18 @@ class EntropyAdaptiveLLM(BaseLLM):
     def _check_stop(cls, value: Any) -> list[str] | None:
         return None if value is None else list(check_stop(value))
 
-    @model_validator(mode="after")
-    def _check_sampling(self) -> EntropyAdaptiveLLM:
-        self._sampling({}, None)
-        if (self.small is None) != (self.large is None):
-            raise ValueError("pass both small= and large=, or neither for the embedded default pair")
-        return self
-
     def model_post_init(self, context: Any) -> None:
-        small, large = (self.small, self.large) if self.small is not None else embedded_pair()
+        """Check the settings, then attach the shared engine (loading the pair on first use)."""
+        self._sampling({}, None)
+        if self.small is None or self.large is None:
+            if self.small is not None or self.large is not None:
+                raise ValueError("pass both small= and large=, or neither for the embedded default pair")
+            small, large = embedded_pair()
+        else:
+            small, large = self.small, self.large
         config = LoadConfig(
             small=small,
-            large=str(large),
+            large=large,
             device=self.device,
             dtype=self.dtype,
             revision=self.revision,

@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random pairs built from configs, saved to disk and loaded by path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ead_llm.engine import Engine
+from ead_llm.loading import LoadConfig, ModelPair, load_pair
+from ead_llm.tiny import build_tiny_pair, byte_bpe_tokenizer
+
+BPE_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. 12 + 35 = 47.",
+    "Entropy adaptive decoding switches models: café, naïve, 数学, 🙂 and ∑ symbols.",
+    "def add(a, b):\n    return a + b\n",
+] * 4
+
+
+@pytest.fixture(scope="session")
+def llama_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_tiny_pair(tmp_path_factory.mktemp("llama"), family="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def gpt2_paths(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+    return build_tiny_pair(tmp_path_factory.mktemp("gpt2"), family="gpt2", tokenizer=tokenizer, seed=3)
+
+
+@pytest.fixture(scope="session")
+def llama_pair(llama_paths: tuple[Path, Path]) -> ModelPair:
+    return load_pair(LoadConfig(small=str(llama_paths[0]), large=str(llama_paths[1]), device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def gpt2_pair(gpt2_paths: tuple[Path, Path]) -> ModelPair:
+    return load_pair(LoadConfig(small=str(gpt2_paths[0]), large=str(gpt2_paths[1]), device="cpu"))
+
+
+@pytest.fixture(scope="session", params=["llama", "gpt2"])
+def pair(request: pytest.FixtureRequest) -> ModelPair:
+    return request.getfixturevalue(f"{request.param}_pair")
+
+
+@pytest.fixture(scope="session")
+def engine(pair: ModelPair) -> Engine:
+    return Engine(pair)

@@ -1,0 +1,67 @@
+"""A scripted-logits stand-in for a causal LM: the engine's policy logic without real models."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+from transformers import LlamaConfig
+
+from ead_llm.loading import LoadedModel, ModelInfo, ModelPair
+from ead_llm.tiny import char_tokenizer
+from ead_llm.types import Role
+
+# logits_fn(position, sequence) -> [V] logits predicting the token at ``position``
+LogitsFn = Callable[[int, list[int]], torch.Tensor]
+
+
+class ScriptedModel(torch.nn.Module):
+    """Returns chosen logits for each position; records every forward's input ids."""
+
+    def __init__(self, vocab: int, logits_fn: LogitsFn) -> None:
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
+        self.logits_fn = logits_fn
+        self.calls: list[list[int]] = []
+
+    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = True, logits_to_keep: int = 0):
+        new = input_ids[0].tolist()
+        self.calls.append(new)
+        history: list[int] = getattr(cache, "scripted_tokens", [])
+        history = history + new
+        cache.scripted_tokens = history
+        rows = [self.logits_fn(len(history) - len(new) + i + 1, history) for i in range(len(new))]
+        logits = torch.stack(rows)[None]  # [1, T, V]
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return SimpleNamespace(logits=logits)
+
+
+def peaked(vocab: int, token: int, sharpness: float) -> torch.Tensor:
+    """Logits putting ``sharpness`` more on ``token`` than on the rest (0 gives uniform)."""
+    logits = torch.zeros(vocab)
+    logits[token] = sharpness
+    return logits
+
+
+def info(source: str, params: int) -> ModelInfo:
+    return ModelInfo(
+        source=source, params=params, non_embedding_params=params, num_layers=2, attention_width=8, max_positions=None
+    )
+
+
+def scripted_pair(small_fn: LogitsFn, large_fn: LogitsFn) -> tuple[ModelPair, ScriptedModel, ScriptedModel]:
+    tokenizer = char_tokenizer()
+    vocab = len(tokenizer)
+    small = ScriptedModel(vocab, small_fn)
+    large = ScriptedModel(vocab, large_fn)
+    pair = ModelPair(
+        tokenizer=tokenizer,
+        small=LoadedModel(Role.SMALL, small, info("scripted-small", 100)),  # type: ignore[arg-type]
+        large=LoadedModel(Role.LARGE, large, info("scripted-large", 1000)),  # type: ignore[arg-type]
+        device=torch.device("cpu"),
+        vocab_size=vocab,
+        eos_token_ids=frozenset({tokenizer.eos_token_id}),
+    )
+    return pair, small, large

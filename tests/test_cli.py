@@ -1,0 +1,56 @@
+"""The ead-llm command line on a tiny pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ead_llm.cli import main
+
+
+def test_help_lists_commands() -> None:
+    out = subprocess.run([sys.executable, "-m", "ead_llm.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "generate" in out.stdout and "demo" in out.stdout
+
+
+def test_generate_json(llama_paths, capsys: pytest.CaptureFixture[str]) -> None:
+    small, large = map(str, llama_paths)
+    code = main(
+        [
+            "generate",
+            "12+35=",
+            "--small",
+            small,
+            "--large",
+            large,
+            "--max-tokens",
+            "6",
+            "--json",
+            "--threshold",
+            "3.0",
+            "--min-dwell",
+            "1",
+        ]
+    )
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["cost"]["completion_tokens"] == len(data["models"]) <= 6
+    assert set(data["models"]) <= {"S", "L"}
+
+
+def test_generate_refuses_bad_values_with_exit_code_2(llama_paths, capsys: pytest.CaptureFixture[str]) -> None:
+    small, large = map(str, llama_paths)
+    assert main(["generate", "x", "--small", small, "--large", large, "--window", "0"]) == 2
+    assert "window must be >= 1" in capsys.readouterr().err
+    assert main(["generate", "x", "--small", "/nope/a", "--large", "/nope/b"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "completion_tokens" in out and "parameter_ratio" in out

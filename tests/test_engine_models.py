@@ -1,0 +1,156 @@
+"""The full path on tiny random Llama and GPT-2 pairs saved to disk and loaded by path."""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+
+from ead_llm.engine import Engine, Request
+from ead_llm.loading import ModelPair
+from ead_llm.policies import EAD, LargeOnly, SmallOnly
+from ead_llm.sampling import SamplingParams
+from ead_llm.text import first_stop
+from ead_llm.types import FinishReason, Role
+
+from .reference import reference_greedy
+
+PROMPTS = ["12+35=", "The fox", "a", "9*9=81\n7*"]
+
+
+def hf_greedy(pair: ModelPair, role: Role, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    model = pair.model(role).model
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=max_tokens,
+        do_sample=False,
+        eos_token_id=sorted(pair.eos_token_ids),
+        pad_token_id=pair.tokenizer.pad_token_id or 0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize(("policy", "role"), [(SmallOnly(), Role.SMALL), (LargeOnly(), Role.LARGE)])
+def test_single_model_greedy_equals_hf_generate(engine: Engine, policy, role: Role) -> None:
+    requests = [Request(p, policy, SamplingParams(max_tokens=24)) for p in PROMPTS]
+    for request, done in zip(requests, engine.generate(requests), strict=True):
+        expected = hf_greedy(engine.pair, role, engine.encode(request.prompt), 24)
+        assert list(done.token_ids) == expected
+        assert set(done.roles) == {role}
+
+
+def test_ead_greedy_equals_full_prefix_reference(engine: Engine) -> None:
+    switched = 0
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        small_run = engine.generate([Request(prompt, SmallOnly(), SamplingParams(max_tokens=30))])[0]
+        threshold = statistics.median(small_run.entropies)
+        for policy in (
+            EAD(threshold=threshold, window=2, min_dwell=2),
+            EAD(threshold=threshold, window=5, min_dwell=0),
+            EAD(threshold=threshold * 0.8, window=3, min_dwell=4, start_on="large"),
+        ):
+            done = engine.generate([Request(prompt, policy, SamplingParams(max_tokens=30))])[0]
+            tokens, roles, entropies = reference_greedy(engine.pair, ids, policy, 30)
+            assert list(done.token_ids) == tokens
+            assert list(done.roles) == roles
+            assert list(done.entropies) == pytest.approx(entropies, abs=1e-3)
+            switched += done.cost.switches
+    assert switched >= 10  # the comparison exercised many switches and catch-ups
+
+
+def test_text_is_the_decoded_tokens(engine: Engine) -> None:
+    for prompt in PROMPTS:
+        done = engine.generate([Request(prompt, EAD(threshold=3.0, min_dwell=1), SamplingParams(max_tokens=40))])[0]
+        assert done.text == engine.tokenizer.decode(list(done.token_ids), skip_special_tokens=True)
+        events = list(engine.stream([Request(prompt, EAD(threshold=3.0, min_dwell=1), SamplingParams(max_tokens=40))]))
+        assert "".join(e.text for e in events) == done.text
+        assert len(events) == len(done.token_ids)
+        assert [e.finish_reason is not None for e in events] == [False] * (len(events) - 1) + [True]
+
+
+def test_same_seed_same_text_whatever_else_runs(engine: Engine) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=40, max_tokens=30, seed=1234)
+    request = Request("12+", EAD(threshold=3.0, min_dwell=2), params)
+    first = engine.generate([request])[0]
+    torch.rand(1000)  # disturb the global generator
+    engine.generate([Request("noise", EAD(threshold=2.0), SamplingParams(temperature=1.0, seed=None))])
+    second = engine.generate([request])[0]
+    assert first.token_ids == second.token_ids and first.roles == second.roles
+    other = engine.generate(
+        [
+            Request(
+                "12+",
+                EAD(threshold=3.0, min_dwell=2),
+                SamplingParams(temperature=1.0, top_p=0.95, top_k=40, max_tokens=30, seed=99),
+            )
+        ]
+    )[0]
+    assert other.token_ids != first.token_ids
+
+
+def test_rows_are_independent(engine: Engine) -> None:
+    params = SamplingParams(temperature=0.9, max_tokens=20, seed=5)
+    policy = EAD(threshold=3.0, min_dwell=1)
+    batch = engine.generate([Request(p, policy, params) for p in PROMPTS])
+    alone0 = engine.generate([Request(PROMPTS[0], policy, params)])[0]
+    assert batch[0].token_ids == alone0.token_ids
+    swapped = engine.generate([Request("zzz", SmallOnly(), params), Request(PROMPTS[1], policy, params)])
+    assert swapped[1].token_ids == batch[1].token_ids
+
+
+def test_max_tokens_and_length_finish(engine: Engine) -> None:
+    for n in (1, 7):
+        done = engine.generate([Request("x", LargeOnly(), SamplingParams(max_tokens=n, ignore_eos=True))])[0]
+        assert len(done.token_ids) == n and done.finish_reason is FinishReason.LENGTH
+        assert done.cost.completion_tokens == n
+
+
+def test_stop_strings_cut_text_exactly(engine: Engine) -> None:
+    policy = EAD(threshold=3.0, min_dwell=1)
+    checked = 0
+    for prompt in PROMPTS:
+        free = engine.generate([Request(prompt, policy, SamplingParams(max_tokens=40, ignore_eos=True))])[0]
+        text = free.text
+        if len(text) < 8:
+            continue
+        for stop in (text[3:6], text[5:7], text[-2:], "never-there"):
+            done = engine.generate(
+                [Request(prompt, policy, SamplingParams(max_tokens=40, stop=(stop,), ignore_eos=True))]
+            )[0]
+            cut = first_stop(text, [stop])
+            assert done.text == (text if cut is None else text[:cut])
+            assert stop not in done.text
+            assert done.finish_reason is (FinishReason.LENGTH if cut is None else FinishReason.STOP)
+            checked += 1
+    assert checked >= 8
+
+
+def test_context_window_is_enforced(engine: Engine) -> None:
+    limit = engine.max_positions
+    assert limit is not None
+    long_ids = [5] * limit
+    with pytest.raises(ValueError, match="positions"):
+        engine.generate([Request(long_ids, SmallOnly())])
+    done = engine.generate([Request([5] * (limit - 3), SmallOnly(), SamplingParams(max_tokens=50, ignore_eos=True))])[0]
+    assert len(done.token_ids) == 3 and done.finish_reason is FinishReason.LENGTH
+
+
+def test_bad_requests_are_refused_and_engine_keeps_working(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([Request([10**6], SmallOnly())])
+    with pytest.raises(ValueError, match="Request"):
+        engine.generate(["just a string"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="policy"):
+        Request("x", "ead")  # type: ignore[arg-type]
+    ok = engine.generate([Request("12", SmallOnly(), SamplingParams(max_tokens=3))])
+    assert len(ok[0].token_ids) >= 1
+
+
+def test_empty_prompt_starts_from_bos(llama_pair: ModelPair) -> None:
+    engine = Engine(llama_pair)
+    assert engine.encode("") == [llama_pair.tokenizer.bos_token_id]
+    done = engine.generate([Request("", SmallOnly(), SamplingParams(max_tokens=3))])[0]
+    assert done.cost.prompt_tokens == 1

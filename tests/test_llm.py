@@ -1,0 +1,146 @@
+"""EntropyAdaptiveLLM as a LangChain LLM on a tiny pair."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.prompts import PromptTemplate
+
+from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly
+
+
+@pytest.fixture(scope="module")
+def llm(llama_paths) -> EntropyAdaptiveLLM:
+    return EntropyAdaptiveLLM(
+        small=str(llama_paths[0]), large=str(llama_paths[1]), policy=EAD(threshold=3.0, min_dwell=2), max_tokens=24
+    )
+
+
+def test_invoke_returns_text_and_is_deterministic(llm: EntropyAdaptiveLLM) -> None:
+    text = llm.invoke("12+35=")
+    assert isinstance(text, str) and text
+    assert llm.invoke("12+35=") == text
+
+
+def test_generate_reports_cost_per_completion_and_per_call(llm: EntropyAdaptiveLLM) -> None:
+    result = llm.generate(["12+35=", "7*8="])
+    infos = [g[0].generation_info for g in result.generations]
+    assert all(i is not None for i in infos)
+    costs = [i["cost"] for i in infos]  # type: ignore[index]
+    for cost in costs:
+        assert cost["small_tokens"] + cost["large_tokens"] == cost["completion_tokens"]
+        assert set(cost) >= {
+            "prompt_tokens",
+            "completion_tokens",
+            "small_tokens",
+            "large_tokens",
+            "large_fraction",
+            "switches",
+            "small_processed_tokens",
+            "large_processed_tokens",
+            "flops",
+            "parameter_ratio",
+            "wall_time_s",
+        }
+    assert result.llm_output is not None
+    usage = result.llm_output["token_usage"]
+    assert usage["completion_tokens"] == sum(c["completion_tokens"] for c in costs)
+    assert usage["prompt_tokens"] == sum(c["prompt_tokens"] for c in costs) == 7 + 5  # BOS + characters
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    total = result.llm_output["cost"]
+    assert total["flops"] == sum(c["flops"] for c in costs)
+    assert total["large_tokens"] == sum(c["large_tokens"] for c in costs)
+    assert total["large_fraction"] == pytest.approx(total["large_tokens"] / total["completion_tokens"])
+    assert infos[0]["finish_reason"] in {"stop", "length"}  # type: ignore[index]
+    assert len(infos[0]["models"]) == costs[0]["completion_tokens"]  # type: ignore[index]
+
+
+def test_stop_is_honoured(llm: EntropyAdaptiveLLM) -> None:
+    free = llm.invoke("7*8=", max_tokens=24)
+    stop = free[4:6]
+    cut = llm.invoke("7*8=", stop=[stop])
+    assert cut == free[: free.index(stop)]
+    with_default = llm.model_copy(update={"stop": [stop]})
+    assert with_default.invoke("7*8=") == cut
+    assert with_default.engine is llm.engine
+
+
+def test_policy_and_sampling_override_per_call(llm: EntropyAdaptiveLLM) -> None:
+    result = llm.generate(["12+35="], policy=SmallOnly())
+    cost = result.generations[0][0].generation_info["cost"]  # type: ignore[index]
+    assert cost["large_tokens"] == 0 and cost["large_processed_tokens"] == 0
+    result = llm.generate(["12+35="], policy=LargeOnly(), max_tokens=5)
+    cost = result.generations[0][0].generation_info["cost"]  # type: ignore[index]
+    assert cost["small_tokens"] == 0 and cost["completion_tokens"] <= 5
+    sampled = {llm.invoke("1", temperature=1.0, seed=s) for s in range(4)}
+    assert len(sampled) > 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"policy": "large"}, "policy must be a policy object"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"bogus": 1}, "unknown call options"),
+    ],
+)
+def test_bad_call_options_are_refused(llm: EntropyAdaptiveLLM, kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        llm.invoke("1", **kwargs)
+    assert llm.invoke("12+35=") == llm.invoke("12+35=")
+
+
+def test_bad_constructor_arguments(llama_paths) -> None:
+    paths = {"small": str(llama_paths[0]), "large": str(llama_paths[1])}
+    with pytest.raises(ValueError, match="top_p"):
+        EntropyAdaptiveLLM(**paths, top_p=1.5)
+    with pytest.raises(ValueError, match="both small= and large="):
+        EntropyAdaptiveLLM(small=paths["small"])
+    with pytest.raises(ValueError, match="threshold"):
+        EntropyAdaptiveLLM(**paths, policy=EAD(threshold=-1))
+    with pytest.raises(ValueError, match="Extra inputs"):
+        EntropyAdaptiveLLM(**paths, temprature=0.5)
+
+
+def test_objects_share_one_engine(llm: EntropyAdaptiveLLM, llama_paths) -> None:
+    other = EntropyAdaptiveLLM(small=str(llama_paths[0]), large=str(llama_paths[1]) + "/", policy=LargeOnly())
+    assert other.engine is llm.engine
+
+
+def test_prices_give_cost_usd(llama_paths) -> None:
+    llm = EntropyAdaptiveLLM(
+        small=str(llama_paths[0]),
+        large=str(llama_paths[1]),
+        policy=LargeOnly(),
+        max_tokens=4,
+        pricing=Pricing(large_input=1.0, large_output=3.0),
+    )
+    cost = llm.generate(["12"]).llm_output["cost"]  # type: ignore[index]
+    assert cost["cost_usd"] == pytest.approx((cost["large_processed_tokens"] * 1.0 + cost["large_tokens"] * 3.0) / 1e6)
+
+
+def test_stream_chunks_name_their_model(llm: EntropyAdaptiveLLM) -> None:
+    tokens: list[tuple[str, Any]] = []
+
+    class Recorder(BaseCallbackHandler):
+        def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            tokens.append((token, kwargs.get("chunk")))
+
+    chunks = list(llm.stream("12+35=", config={"callbacks": [Recorder()]}))
+    assert "".join(chunks) == llm.invoke("12+35=")
+    assert len(tokens) == len(chunks)
+    models = "".join(chunk.generation_info["models"] for _, chunk in tokens)
+    full = llm.generate(["12+35="]).generations[0][0].generation_info
+    assert models == full["models"]  # type: ignore[index]
+    assert tokens[-1][1].generation_info["cost"]["completion_tokens"] == len(tokens)
+
+
+def test_in_a_chain_and_token_counting(llm: EntropyAdaptiveLLM) -> None:
+    chain = PromptTemplate.from_template("{a}+{b}=") | llm
+    assert chain.invoke({"a": 12, "b": 35}) == llm.invoke("12+35=")
+    assert llm.get_num_tokens("12+35=") == 6
+    assert llm.batch(["1", "2"]) == [llm.invoke("1"), llm.invoke("2")]

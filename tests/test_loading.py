@@ -1,0 +1,121 @@
+"""Loading pairs from local folders: vocabulary checks, parameter counts, device and dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ead_llm.engine import Engine, Request
+from ead_llm.loading import LoadConfig, check_same_vocabulary, describe_model, load_pair
+from ead_llm.policies import LargeOnly
+from ead_llm.sampling import SamplingParams
+from ead_llm.tiny import SMALL_SHAPE, build_tiny_pair, char_tokenizer, tiny_model
+
+
+def test_loads_offline_from_folders(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = LoadConfig(small=str(llama_paths[0]), large=str(llama_paths[1]))
+    assert config.hub_kwargs()["local_files_only"] is True
+    pair = load_pair(config)
+    assert pair.device == torch.device("cpu")
+    assert next(pair.small.model.parameters()).dtype == torch.float32
+    assert not pair.large.model.training
+
+
+def test_parameter_counts(llama_pair) -> None:
+    small = llama_pair.small.model
+    info = llama_pair.small.info
+    h, layers, mlp, vocab = SMALL_SHAPE.hidden, SMALL_SHAPE.layers, SMALL_SHAPE.mlp, llama_pair.vocab_size
+    per_layer = 4 * h * h + 3 * h * mlp + 2 * h  # attention, gated MLP, two RMSNorms
+    assert info.non_embedding_params == layers * per_layer + h  # final norm
+    assert info.params == sum(p.numel() for p in small.parameters())
+    assert info.params - info.non_embedding_params == 2 * vocab * h  # untied input and output embeddings
+    assert info.num_layers == layers and info.attention_width == h
+    assert llama_pair.large.info.params > 10 * info.params
+
+
+def test_tied_embeddings_counted_once(gpt2_pair) -> None:
+    model = gpt2_pair.small.model
+    info = describe_model("x", model)
+    unique = {id(p): p.numel() for p in model.parameters()}
+    assert info.params == sum(unique.values())
+    wte = model.transformer.wte.weight.numel()
+    wpe = model.transformer.wpe.weight.numel()
+    assert info.params - info.non_embedding_params == wte + wpe
+
+
+def test_mismatched_tokenizers_name_the_first_differing_id(tmp_path: Path) -> None:
+    a = char_tokenizer("0123456789+=")
+    b = char_tokenizer("0123456789=+")
+    with pytest.raises(ValueError, match=r"id 14 is '\+' in the small model's and '=' in the large"):
+        check_same_vocabulary(a, b)
+    small, _ = build_tiny_pair(tmp_path / "a", tokenizer=a)
+    _, large = build_tiny_pair(tmp_path / "b", tokenizer=b)
+    with pytest.raises(ValueError, match="do not share a tokenizer: id 14"):
+        load_pair(LoadConfig(small=str(small), large=str(large)))
+
+
+def test_extra_tokens_in_one_tokenizer_are_refused() -> None:
+    with pytest.raises(ValueError, match="id 16 is '#'"):
+        check_same_vocabulary(char_tokenizer("0123456789+=#"), char_tokenizer("0123456789+="))
+
+
+def test_padded_embedding_rows_are_fine(tmp_path: Path) -> None:
+    tokenizer = char_tokenizer()
+    small_dir, large_dir = tmp_path / "small", tmp_path / "large"
+    for folder, seed, pad in ((small_dir, 0, None), (large_dir, 1, 64)):
+        model = tiny_model("llama", SMALL_SHAPE, tokenizer, seed=seed)
+        if pad:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=pad)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    pair = load_pair(LoadConfig(small=str(small_dir), large=str(large_dir)))
+    assert pair.large.model.get_output_embeddings().weight.shape[0] == 128
+    assert pair.vocab_size == len(tokenizer)
+    done = Engine(pair).generate([Request("12", LargeOnly(), SamplingParams(max_tokens=20, temperature=1.0))])[0]
+    assert all(t < len(tokenizer) for t in done.token_ids)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"small": "/does/not/exist", "large": "/does/not/exist"},
+            "small model folder '/does/not/exist' does not exist",
+        ),
+        ({"small": "", "large": "x"}, "small must be"),
+        ({"small": "a", "large": "b", "dtype": "float64"}, "dtype must be one of"),
+        ({"small": "a", "large": "b", "device": "gpu0"}, "device must be a torch device"),
+    ],
+)
+def test_bad_load_config(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        load_pair(LoadConfig(**kwargs))
+
+
+def test_unknown_hub_id_offline_fails_with_context(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = LoadConfig(small="ead-llm-test/not-a-model", large="ead-llm-test/not-a-model", cache_dir=str(tmp_path))
+    with pytest.raises(OSError, match="could not load the small model 'ead-llm-test/not-a-model'"):
+        load_pair(config)
+
+
+def test_dtype_and_device_are_overridable(llama_paths) -> None:
+    config = LoadConfig(small=str(llama_paths[0]), large=str(llama_paths[1]), device="cpu", dtype="bfloat16")
+    pair = load_pair(config)
+    assert next(pair.large.model.parameters()).dtype == torch.bfloat16
+    done = Engine(pair).generate([Request("1", LargeOnly(), SamplingParams(max_tokens=4))])[0]
+    assert len(done.token_ids) >= 1
+
+
+def test_default_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = LoadConfig(small="a", large="b")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert config.resolved_device().type == "cpu" and config.resolved_dtype() == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert config.resolved_device().type == "cuda" and config.resolved_dtype() == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    assert config.resolved_dtype() == torch.float32

@@ -1,0 +1,101 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ead_llm.text import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
+from ead_llm.tiny import byte_bpe_tokenizer, char_tokenizer
+
+from .conftest import BPE_CORPUS
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+
+
+@pytest.mark.parametrize("text", ["café 🙂 数学 ∑", "a  b\n\tc", "🙂🙂", "The fox, naïve."])
+def test_detokenizer_rebuilds_multibyte_text(bpe, text: str) -> None:
+    ids = bpe.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text.encode()) // 4  # several tokens, some inside characters
+    detok = IncrementalDetokenizer(bpe, bpe.encode("prefix ", add_special_tokens=False))
+    pieces = [detok.push(t) for t in ids]
+    assert "".join(pieces) + detok.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_holds_partial_character_until_complete(bpe) -> None:
+    ids = bpe.encode("🙂", add_special_tokens=False)
+    assert len(ids) >= 2
+    detok = IncrementalDetokenizer(bpe)
+    assert [detok.push(t) for t in ids[:-1]] == [""] * (len(ids) - 1)
+    assert detok.push(ids[-1]) == "🙂"
+
+
+def test_detokenizer_flushes_incomplete_character(bpe) -> None:
+    ids = bpe.encode("🙂", add_special_tokens=False)
+    detok = IncrementalDetokenizer(bpe)
+    detok.push(ids[0])
+    assert detok.flush() == "\ufffd"
+
+
+def test_detokenizer_char_level_skips_special_tokens() -> None:
+    tok = char_tokenizer()
+    ids = [*tok.encode("12 +3", add_special_tokens=False), tok.eos_token_id]
+    detok = IncrementalDetokenizer(tok, [tok.bos_token_id])
+    assert [detok.push(t) for t in ids] == ["1", "2", " ", "+", "3", ""]
+
+
+def test_first_stop_prefers_earliest_end() -> None:
+    assert first_stop("abcd", ["abcd", "bc"]) == 1
+    assert first_stop("xxabyy", ["ab", "xab"]) == 1  # same end: the longer one
+    assert first_stop("hello", ["z"]) is None
+
+
+def test_held_suffix() -> None:
+    assert held_suffix("abc##", ["###"]) == 2
+    assert held_suffix("abc", ["cde", "bcx"]) == 2
+    assert held_suffix("abc", ["x"]) == 0
+
+
+def test_stop_across_pieces_never_returned() -> None:
+    matcher = StopMatcher(["\n\n", "####"])
+    out = [matcher.push(p) for p in ["ans", "wer #", "#", "#", "#", " 42"]]
+    assert "".join(out) == "answer "
+    assert matcher.matched
+    assert matcher.push("more") == ""
+
+
+def test_partial_stop_is_released_when_it_breaks() -> None:
+    matcher = StopMatcher(["STOP"])
+    assert matcher.push("ab ST") == "ab "
+    assert matcher.push("OX") == "STOX"
+    assert matcher.push("S") == ""
+    assert matcher.flush() == "S"
+    assert not matcher.matched
+
+
+def reference_cut(text: str, stops: list[str]) -> str:
+    """Cut at the stop completed first in a left-to-right scan (earliest end, then earliest start)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
+        if starts:
+            return text[: min(starts)]
+    return text
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="ab#\n", max_size=30),
+    stops=st.lists(st.text(alphabet="ab#\n", min_size=1, max_size=4), min_size=1, max_size=3),
+    cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=10),
+)
+def test_stop_matcher_matches_reference_for_any_split(text: str, stops: list[str], cuts: list[int]) -> None:
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    matcher = StopMatcher(stops)
+    out = "".join(matcher.push(p) for p in pieces)
+    if not matcher.matched:
+        out += matcher.flush()
+    assert out == reference_cut(text, stops)
