@@ -6,7 +6,10 @@ LargeOnly to get the per-token times t_S and t_L, then EAD at three thresholds, 
 for EAD the ratio of its measured time per token to ``f_L * t_L + (1 - f_L) * t_S``.
 All runs are greedy with a fixed length (EOS ignored), repeated, medians reported.
 
-    python benchmarks/engine_overhead.py [--prompts 8] [--max-tokens 128] [--repeats 5]
+    python benchmarks/engine_overhead.py [--prompts 8] [--max-tokens 128] [--repeats 5] [--embedded]
+
+With ``--embedded`` it runs the shipped pair (25x) on test problems, where the switching pattern
+comes from real entropies; EOS is still ignored so every run has the same length.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import time
 
 import torch
 
+from ead_llm.embedded import embedded_pair
 from ead_llm.engine import Engine, Request
 from ead_llm.loading import LoadConfig, load_pair
 from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
 from ead_llm.sampling import SamplingParams
+from ead_llm.task import problems
 from ead_llm.tiny import TinyShape, build_tiny_pair
 
 SMALL = TinyShape(hidden=64, layers=2, heads=4, mlp=256)
@@ -53,11 +58,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--thresholds", type=float, nargs=3, default=None, help="EAD thresholds in bits")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--embedded", action="store_true", help="the embedded pair on its test problems")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    if args.small is None:
+    prompts = [PROMPT_TEXT[i % len(PROMPT_TEXT)] for i in range(args.prompts)]
+    if args.embedded:
+        args.small, args.large = embedded_pair()
+        prompts = [p.prompt for p in problems("test", args.prompts)]
+    elif args.small is None:
         folder = tempfile.mkdtemp(prefix="ead-bench-")
         small_path, large_path = build_tiny_pair(folder, small=SMALL, large=LARGE, seed=0, max_positions=1024)
         args.small, args.large = str(small_path), str(large_path)
@@ -67,7 +77,6 @@ def main() -> None:
         f"pair: small {p_s:,} params, large {p_l:,} params ({p_l / p_s:.1f}x); device {engine.pair.device}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}"
     )
-    prompts = [PROMPT_TEXT[i % len(PROMPT_TEXT)] for i in range(args.prompts)]
 
     # thresholds at quartiles of the small model's own entropies, unless given
     if args.thresholds is None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
-from typing import Any
 
 from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
 
@@ -64,48 +62,45 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.table import Table
+    from rich.panel import Panel
+    from rich.text import Text
 
-    from ead_llm.embedded import embedded_pair
+    from ead_llm.embedded import recommended_threshold
     from ead_llm.llm import EntropyAdaptiveLLM
-    from ead_llm.tiny import build_tiny_pair
+    from ead_llm.task import extract_answer, problems
 
     console = Console()
-    try:
-        small, large = embedded_pair()
-        prompts = ["12+35=", "7*8=", "100-1="]
-        threshold = args.threshold if args.threshold is not None else 0.25
-    except FileNotFoundError:
-        folder = tempfile.mkdtemp(prefix="ead-llm-demo-")
-        console.print(
-            "[yellow]No embedded pair is shipped yet: running on a tiny pair with random weights. "
-            "It shows the machinery (switching, catch-up, the bill), not the quality.[/yellow]"
-        )
-        small_path, large_path = build_tiny_pair(folder, seed=0)
-        small, large = str(small_path), str(large_path)
-        prompts = ["12+35=", "7*8=", "100-1="]
-        threshold = args.threshold if args.threshold is not None else 4.0
-    llm = EntropyAdaptiveLLM(small=small, large=large, policy=EAD(threshold=threshold, min_dwell=4), max_tokens=48)
-    result = llm.generate(prompts)
-    table = Table(title=f"EAD threshold {threshold} bits: large-model tokens in magenta")
-    for column in ("prompt", "completion", "L tokens", "switches", "param ratio", "FLOPs"):
-        table.add_column(column)
-    for prompt, (generation,) in zip(prompts, result.generations, strict=True):
+    threshold = args.threshold if args.threshold is not None else recommended_threshold()
+    llm = EntropyAdaptiveLLM(policy=EAD(threshold=threshold), max_tokens=400)
+    tasks = problems("test", args.problems, seed=args.seed)
+    result = llm.generate([t.prompt for t in tasks])
+    tokenizer = llm.engine.tokenizer
+    right = 0
+    for task, (generation,) in zip(tasks, result.generations, strict=True):
         info = generation.generation_info or {}
+        text = Text(task.prompt, style="bold")
+        for token_id, model in zip(info["token_ids"], info["models"], strict=True):
+            piece = str(tokenizer.decode([token_id], skip_special_tokens=True))
+            text.append(piece, style="bold magenta" if model == "L" else "dim")
+        got = extract_answer(generation.text)
+        ok = got == task.answer
+        right += ok
         cost = info["cost"]
-        marked = "".join(
-            f"[bold magenta]{_escape(ch)}[/bold magenta]" if m == "L" else _escape(ch)
-            for ch, m in zip(_split_tokens(llm, info["token_ids"]), info["models"], strict=True)
+        verdict = "[green]right[/green]" if ok else f"[red]wrong[/red] (expected {task.answer})"
+        console.print(
+            Panel(
+                text,
+                title=f"answer {got}: {verdict}",
+                subtitle=(
+                    f"large {cost['large_tokens']}/{cost['completion_tokens']} tokens, {cost['switches']} switches, "
+                    f"parameter ratio {cost['parameter_ratio']:.3f}"
+                ),
+            )
         )
-        table.add_row(
-            prompt,
-            marked,
-            f"{cost['large_tokens']}/{cost['completion_tokens']}",
-            str(cost["switches"]),
-            f"{cost['parameter_ratio']:.3f}",
-            f"{cost['flops']:.3g}",
-        )
-    console.print(table)
+    console.print(
+        f"EAD threshold {threshold} bits; large-model tokens in [bold magenta]magenta[/bold magenta]; "
+        f"{right}/{len(tasks)} right. Cost of the call:"
+    )
     console.print_json(json.dumps(result.llm_output["cost"] if result.llm_output else {}))
     return 0
 
@@ -114,11 +109,6 @@ def _escape(text: str) -> str:
     from rich.markup import escape
 
     return escape(text).replace("\n", "\\n")
-
-
-def _split_tokens(llm: Any, token_ids: Sequence[int]) -> list[str]:
-    tokenizer = llm.engine.tokenizer
-    return [tokenizer.decode([t], skip_special_tokens=True) for t in token_ids]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,8 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--json", action="store_true", help="print text, cost and per-token models as JSON")
     _add_sampling(generate)
     generate.set_defaults(func=cmd_generate)
-    demo = commands.add_parser("demo", help="offline demo on the embedded pair")
-    demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits")
+    demo = commands.add_parser("demo", help="offline demo: EAD on the embedded pair solves a few test problems")
+    demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
+    demo.add_argument("--problems", type=int, default=5, help="how many test problems (default 5)")
+    demo.add_argument("--seed", type=int, default=0, help="which test problems (default 0)")
     demo.set_defaults(func=cmd_demo)
     return parser
 

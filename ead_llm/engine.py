@@ -129,9 +129,6 @@ class Engine:
             )
         return ids
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
-
     # -- decoding --------------------------------------------------------------------------------
 
     def _start(self, index: int, request: Request) -> _Sequence:

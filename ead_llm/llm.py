@@ -9,9 +9,9 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForLLMRun
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, PrivateAttr, field_validator
 
-from ead_llm.embedded import embedded_pair
+from ead_llm.embedded import embedded_pair, recommended_threshold
 from ead_llm.engine import Completion, Engine, Request
 from ead_llm.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.loading import LoadConfig
@@ -39,8 +39,9 @@ class EntropyAdaptiveLLM(BaseLLM):
     """Hugging Face id or local folder of the small model (None: the embedded pair)."""
     large: str | None = None
     """Hugging Face id or local folder of the large model (None: the embedded pair)."""
-    policy: Policy = Field(default_factory=EAD)
-    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly()."""
+    policy: Policy | None = None
+    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: EAD with its defaults, and
+    on the embedded pair with the threshold chosen for it on the task's dev split."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
@@ -74,8 +75,8 @@ class EntropyAdaptiveLLM(BaseLLM):
 
     @field_validator("policy", mode="before")
     @classmethod
-    def _check_policy(cls, value: Any) -> Policy:
-        return check_policy(value)
+    def _check_policy(cls, value: Any) -> Policy | None:
+        return None if value is None else check_policy(value)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -89,6 +90,8 @@ class EntropyAdaptiveLLM(BaseLLM):
             if self.small is not None or self.large is not None:
                 raise ValueError("pass both small= and large=, or neither for the embedded default pair")
             small, large = embedded_pair()
+            if self.policy is None:
+                self.policy = EAD(threshold=recommended_threshold())
         else:
             small, large = self.small, self.large
         config = LoadConfig(
@@ -102,6 +105,13 @@ class EntropyAdaptiveLLM(BaseLLM):
             trust_remote_code=self.trust_remote_code,
         )
         self._engine = shared_engine(config)
+        if self.policy is None:
+            self.policy = EAD()
+
+    def _policy(self) -> Policy:
+        if self.policy is None:  # set in model_post_init; only a bypassed constructor leaves it unset
+            raise RuntimeError("EntropyAdaptiveLLM has no policy")
+        return self.policy
 
     @property
     def engine(self) -> Engine:
@@ -125,7 +135,7 @@ class EntropyAdaptiveLLM(BaseLLM):
         unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
         if unknown:
             raise ValueError(f"unknown call options {unknown}; accepted: {list(CALL_OPTIONS)}")
-        policy = check_policy(kwargs.get("policy", self.policy))
+        policy = check_policy(kwargs.get("policy", self._policy()))
         sampling = self._sampling(kwargs, stop)
         return [Request(prompt=p, policy=policy, sampling=sampling) for p in prompts]
 
@@ -140,7 +150,7 @@ class EntropyAdaptiveLLM(BaseLLM):
         return {
             "small": self._engine.pair.small.info.source,
             "large": self._engine.pair.large.info.source,
-            **describe_policy(self.policy),
+            **describe_policy(self._policy()),
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
@@ -173,7 +183,7 @@ class EntropyAdaptiveLLM(BaseLLM):
                 },
                 "cost": total.to_dict(),
                 "model_name": self._llm_type,
-                "policy": describe_policy(requests[0].policy) if requests else describe_policy(self.policy),
+                "policy": describe_policy(requests[0].policy if requests else self._policy()),
             },
         )
 

@@ -51,6 +51,7 @@ def test_generate_refuses_bad_values_with_exit_code_2(llama_paths, capsys: pytes
 
 def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["demo"]) == 0
+    assert main(["demo", "--problems", "2"]) == 0
     out = capsys.readouterr().out
+    assert "/2 right" in out
     assert "completion_tokens" in out and "parameter_ratio" in out

@@ -1,8 +1,14 @@
-"""The default pair shipped inside the package (small/ and large/ folders beside this file)."""
+"""The default pair shipped inside the package (small/ and large/ folders beside this file).
+
+``pair.json`` beside them records the EAD threshold chosen on the task's dev split and the
+measured test accuracies (written by ``python -m ead_llm.embedded.finalize``).
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 EMBEDDED_DIR = Path(__file__).resolve().parent
 
@@ -12,8 +18,18 @@ def embedded_pair() -> tuple[str, str]:
     small, large = EMBEDDED_DIR / "small", EMBEDDED_DIR / "large"
     if not (small / "config.json").exists() or not (large / "config.json").exists():
         raise FileNotFoundError(
-            "this build of ead-llm ships no embedded default pair yet: pass small= and large= "
-            "(Hugging Face ids or local folders), or build a tiny random pair with "
-            "ead_llm.tiny.build_tiny_pair(folder)"
+            "this install of ead-llm has no embedded default pair (ead_llm/embedded/small and large): "
+            "pass small= and large= (Hugging Face ids or local folders)"
         )
     return str(small), str(large)
+
+
+def pair_record() -> dict[str, Any]:
+    """The embedded pair's evaluation record (empty if it has not been written)."""
+    path = EMBEDDED_DIR / "pair.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def recommended_threshold(default: float = 0.25) -> float:
+    """EAD threshold (bits) chosen for the embedded pair on its dev split."""
+    return float(pair_record().get("recommended_threshold", default))
