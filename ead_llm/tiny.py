@@ -18,7 +18,6 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
 
@@ -88,7 +87,7 @@ def tiny_model(
     seed: int,
     max_positions: int = 512,
     init_scale: float = 0.2,
-) -> PreTrainedModel:
+) -> LlamaForCausalLM | GPT2LMHeadModel:
     """A randomly initialised causal LM of ``family`` whose vocabulary is ``tokenizer``'s.
 
     ``init_scale`` (weight init std) is larger than the usual 0.02 so that the random model's

@@ -17,9 +17,10 @@ from typing import Any
 from ead_llm.embedded import EMBEDDED_DIR
 from ead_llm.engine import Engine
 from ead_llm.evaluate import PolicyRun, run_policy
-from ead_llm.loading import LoadConfig, load_pair
+from ead_llm.loading import LoadConfig, ModelInfo, load_pair
 from ead_llm.policies import EAD, LargeOnly, SmallOnly
 from ead_llm.task import Difficulty, problems
+from ead_llm.types import Role
 
 SWEEP = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8)
 
@@ -36,7 +37,7 @@ def summary(run: PolicyRun) -> dict[str, Any]:
     }
 
 
-def card(name: str, record: dict[str, Any], info: Any, test: dict[str, Any], n_test: int) -> str:
+def card(name: str, record: dict[str, Any], info: ModelInfo, vocab: int, test: dict[str, Any], n_test: int) -> str:
     shape = record["shape"]
     return f"""# ead-llm embedded {name} model
 
@@ -50,7 +51,7 @@ numbers, solved column by column with carries and borrows written out, ending in
 | --- | --- |
 | parameters | {info.params:,} ({info.non_embedding_params:,} non-embedding) |
 | shape | hidden {shape["hidden"]}, {shape["layers"]} layers, {shape["heads"]} heads, MLP {shape["mlp"]} |
-| tokenizer | character level, {info.vocab} tokens, shared by the pair |
+| tokenizer | character level, {vocab} tokens, shared by the pair |
 | training data | train split of `ead_llm.task`, generated on the fly (seed {record["seed"]}); loss on the solution only |
 | training | {record["steps"]} steps of batch {record["batch"]}, AdamW, peak lr {record["peak_lr"]}, cosine; {record["train_seconds"] / 60:.1f} min on {record["threads"]} CPU threads ({record["machine"]}, torch {record["torch"]}) |
 | reproduce | `python -m ead_llm.embedded.train --size {name} --steps {record["steps"]} --batch {record["batch"]} --threads {record["threads"]} --out DIR` |
@@ -103,15 +104,11 @@ def main() -> None:
         "test": {name: summary(run) for name, run in test_runs.items()},
     }
     (args.folder / "pair.json").write_text(json.dumps(result, indent=2) + "\n")
-    for name, folder, key in (("small", small_dir, "small_only"), ("large", large_dir, "large_only")):
+    for role, folder, key in ((Role.SMALL, small_dir, "small_only"), (Role.LARGE, large_dir, "large_only")):
         record = json.loads((folder / "training.json").read_text())
-        info = engine.pair.model(engine.pair.small.role if name == "small" else engine.pair.large.role).info
-        view = type(
-            "Info",
-            (),
-            {"params": info.params, "non_embedding_params": info.non_embedding_params, "vocab": engine.pair.vocab_size},
-        )
-        (folder / "README.md").write_text(card(name, record, view, result["test"][key], args.test))
+        info = engine.pair.model(role).info
+        text = card(role.value, record, info, engine.pair.vocab_size, result["test"][key], args.test)
+        (folder / "README.md").write_text(text)
     print(json.dumps(result["test"], indent=2))
 
 

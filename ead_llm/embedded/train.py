@@ -1,11 +1,12 @@
 """Train one model of the embedded pair on the chain-arithmetic task (reproducible: fixed seeds).
 
-    python -m ead_llm.embedded.train --size large --steps 3000 --out ead_llm/embedded/large
-    python -m ead_llm.embedded.train --size small --steps 600 --out ead_llm/embedded/small
+    python -m ead_llm.embedded.train --size large --steps 3000 --threads 2 --out ead_llm/embedded/large
+    python -m ead_llm.embedded.train --size small --steps 700 --threads 1 --out ead_llm/embedded/small
 
-Writes the model (safetensors), the shared tokenizer, ``training.json`` (settings, time, curve)
-and a model card. Problems come from the task's train split, generated on the fly; the loss
-covers the worked solution only.
+Writes the model (safetensors), the shared tokenizer and ``training.json`` (settings, time,
+curve); ``python -m ead_llm.embedded.finalize`` then evaluates the pair and writes the model
+cards. Problems come from the task's train split, generated on the fly; the loss covers the
+worked solution only.
 """
 
 from __future__ import annotations
@@ -16,28 +17,19 @@ import math
 import platform
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import GenerationMixin, PreTrainedTokenizerFast
 
 from ead_llm.task import ALPHABET, Difficulty, Problem, accuracy, problems, random_problem, split_of
-from ead_llm.tiny import char_tokenizer
-
-
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    mlp: int
-
+from ead_llm.tiny import TinyShape, char_tokenizer, tiny_model
 
 SHAPES = {
-    "small": Shape(hidden=64, layers=2, heads=4, mlp=256),
-    "large": Shape(hidden=256, layers=4, heads=8, mlp=768),
+    "small": TinyShape(hidden=64, layers=2, heads=4, mlp=256),
+    "large": TinyShape(hidden=256, layers=4, heads=8, mlp=768),
 }
 MAX_POSITIONS = 512
 
@@ -45,27 +37,6 @@ MAX_POSITIONS = 512
 def task_tokenizer() -> PreTrainedTokenizerFast:
     """The pair's tokenizer: ``<pad> <s> </s> <unk>`` then the task's characters; BOS is prepended."""
     return char_tokenizer(ALPHABET)
-
-
-def build_model(shape: Shape, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.heads,
-        intermediate_size=shape.mlp,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    return model
 
 
 def train_stream(seed: int, difficulty: Difficulty) -> Any:
@@ -100,14 +71,13 @@ def batch_tensors(
 
 @torch.inference_mode()
 def greedy_outputs(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], batch_size: int = 100
+    model: GenerationMixin, tokenizer: PreTrainedTokenizerFast, prompts: list[str], batch_size: int = 100
 ) -> list[str]:
     """Greedy completions with Hugging Face generate, left-padded batches (for training-time checks)."""
-    tokenizer.padding_side = "left"
     outs: list[str] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=True)
+        enc = tokenizer(chunk, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=True)
         gen = model.generate(**enc, max_new_tokens=MAX_POSITIONS - enc["input_ids"].shape[1] - 1, do_sample=False)
         outs.extend(tokenizer.batch_decode(gen[:, enc["input_ids"].shape[1] :], skip_special_tokens=True))
     return outs
@@ -139,7 +109,8 @@ def main() -> None:
     difficulty = Difficulty()
     tokenizer = task_tokenizer()
     shape = SHAPES[args.size]
-    model = build_model(shape, tokenizer)
+    # init_scale 0.02 is Llama's usual initializer range (the tiny test pairs use a larger one)
+    model = tiny_model("llama", shape, tokenizer, seed=args.seed, max_positions=MAX_POSITIONS, init_scale=0.02)
     lr = args.lr or (3e-3 if args.size == "small" else 1.5e-3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     stream = train_stream(args.seed, difficulty)
