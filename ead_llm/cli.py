@@ -74,7 +74,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     llm = EntropyAdaptiveLLM(policy=EAD(threshold=threshold), max_tokens=400)
     tasks = problems("test", args.problems, seed=args.seed)
     result = llm.generate([t.prompt for t in tasks])
-    tokenizer = llm.engine.tokenizer
+    tokenizer = llm.shared_engine.tokenizer
     right = 0
     for task, (generation,) in zip(tasks, result.generations, strict=True):
         info = generation.generation_info or {}

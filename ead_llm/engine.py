@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from ead_llm.runner import ForwardRow, ModelCache, ModelRunner
 from ead_llm.sampling import Sampler, SamplingParams, request_generator
 from ead_llm.text import IncrementalDetokenizer, StopMatcher
 from ead_llm.types import FinishReason, ForwardWork, Role, TokenEvent
+from ead_llm.validation import check_float, check_int
 
 Prompt = str | Sequence[int]
 
@@ -36,6 +37,9 @@ class Request:
     prompt: Prompt
     policy: Policy
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    sample_index: int | None = None
+    """Which of the seed's random streams this request draws from; None: its position in the call.
+    (The k-th of n samples of one prompt uses stream k, whichever way the n are asked for.)"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str):
@@ -49,6 +53,8 @@ class Request:
         check_policy(self.policy)
         if not isinstance(self.sampling, SamplingParams):
             raise ValueError(f"sampling must be a SamplingParams, got {self.sampling!r}")
+        if self.sample_index is not None:
+            check_int("sample_index", self.sample_index, minimum=0)
 
 
 @dataclass(frozen=True)
@@ -140,13 +146,15 @@ class Engine:
             policy=request.policy,
             state=request.policy.start(),
             params=request.sampling,
-            generator=request_generator(request.sampling.seed, index),
+            generator=request_generator(
+                request.sampling.seed, index if request.sample_index is None else request.sample_index
+            ),
             detok=IncrementalDetokenizer(self.tokenizer, ids),
             stops=StopMatcher(request.sampling.stop),
             caches={role: ModelCache() for role in Role},
         )
 
-    def stream(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+    def stream(self, requests: Sequence[Request]) -> Generator[TokenEvent, None, None]:
         """Yield one event per generated token of every request, interleaved across requests.
 
         Requests are checked (and prompts encoded) before anything runs. Holds the engine while
@@ -211,19 +219,36 @@ class Engine:
             finish_reason=finish,
         )
 
-    def generate(self, requests: Sequence[Request], pricing: Pricing | None = None) -> list[Completion]:
-        """Run requests to completion and return one :class:`Completion` per request, in order."""
+    def generate(
+        self, requests: Sequence[Request], pricing: Pricing | None = None, timeout_s: float | None = None
+    ) -> list[Completion]:
+        """Run requests to completion and return one :class:`Completion` per request, in order.
+
+        With ``timeout_s``, a call still running after that many seconds raises ``TimeoutError``;
+        its sequences' caches are freed.
+        """
         _check_requests(requests)
+        if timeout_s is not None:
+            check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
         start = time.perf_counter()
         info = (self.pair.small.info, self.pair.large.info)
         ledgers = [CompletionLedger(*info, len(self.encode(r.prompt)), pricing) for r in requests]
         events: list[list[TokenEvent]] = [[] for _ in requests]
         done: dict[int, float] = {}
-        for event in self.stream(requests):
-            ledgers[event.index].record(event)
-            events[event.index].append(event)
-            if event.finish_reason is not None:
-                done[event.index] = time.perf_counter() - start
+        stream = self.stream(requests)
+        try:
+            for event in stream:
+                ledgers[event.index].record(event)
+                events[event.index].append(event)
+                elapsed = time.perf_counter() - start
+                if event.finish_reason is not None:
+                    done[event.index] = elapsed
+                elif timeout_s is not None and elapsed > timeout_s:
+                    raise TimeoutError(
+                        f"the call took longer than {timeout_s} s: raise the timeout or lower max_tokens"
+                    )
+        finally:
+            stream.close()
         return [self._completion(i, events[i], ledgers[i].cost(done[i])) for i in range(len(requests))]
 
     @staticmethod

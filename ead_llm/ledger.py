@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ead_llm.loading import ModelInfo
@@ -81,6 +81,18 @@ class Cost:
             out["cost_usd"] = self.cost_usd
         out.update(self.extra)
         return out
+
+    @staticmethod
+    def from_dict(cost: dict[str, Any], *, small_params: int, large_params: int) -> Cost:
+        """Inverse of :meth:`to_dict` (the derived keys are recomputed, policy counters kept)."""
+        derived = {"total_tokens", "large_fraction", "parameter_ratio"}
+        names = {f.name for f in fields(Cost)} - {"small_params", "large_params", "extra"}
+        return Cost(
+            **{k: cost[k] for k in names if k in cost},
+            small_params=small_params,
+            large_params=large_params,
+            extra={k: v for k, v in cost.items() if k not in names | derived},
+        )
 
     @staticmethod
     def total(costs: Iterable[Cost], *, wall_time_s: float) -> Cost:

@@ -1,145 +1,282 @@
-"""``EntropyAdaptiveLLM``: the pair as a LangChain LLM over the shared engine (a thin adapter)."""
+"""``EntropyAdaptiveLLM``: the pair as a LangChain LLM and a DSPy LM at once, over the shared engine.
+
+DSPy side: the object is a ``dspy.LM`` on DSPy 3.4's custom-engine route (``engine=PairEngine``,
+``async_engine=AsyncPairEngine``). ``dspy.LM.__init__`` is not called, because it would overwrite
+LangChain's ``cache`` and ``callbacks``; the DSPy state it would set is declared here instead.
+How the two frameworks' overlapping names are resolved:
+
+- ``cache``: LangChain's field (a ``BaseCache``, True, False or None). DSPy calls use DSPy's
+  cache unless ``cache`` is False.
+- ``callbacks``: LangChain's handlers. DSPy callbacks are the ones registered with
+  ``dspy.configure(callbacks=[...])``; they see ``on_lm_start``/``on_lm_end`` for every call.
+- ``copy(**kwargs)``: DSPy's meaning (``copy(rollout_id=1, temperature=1.0)``): a new object with
+  those settings, its own history, the same engine. Pydantic's deprecated ``copy`` is replaced;
+  ``model_copy`` is still pydantic's.
+- ``engine``: DSPy's meaning (its engine object); the decoding engine is ``shared_engine``.
+- ``model``: DSPy's name of this LM, ``ead-llm/<pair>@<policy>``; it is part of DSPy's cache key,
+  so two policies never share cached answers.
+- ``copy.deepcopy`` (DSPy's ``Module.deepcopy``, LangChain chains) makes a ``copy()``: the weights
+  are never cloned. Equality and hashing are by identity.
+"""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from typing import Any
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, Literal
 
-from langchain_core.callbacks import CallbackManagerForLLMRun
+import dspy
+from dspy.clients.base_lm import LM_CLASS_STATE_KEY, BaseLM
+from dspy.clients.provider import Provider
+from dspy.utils.callback_context import ACTIVE_CALL_ID
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
+from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, PrivateAttr, field_validator
+from pydantic import ConfigDict, PrivateAttr
 
-from ead_llm.embedded import embedded_pair, recommended_threshold
-from ead_llm.engine import Completion, Engine, Request
-from ead_llm.ledger import CompletionLedger, Cost, Pricing
-from ead_llm.loading import LoadConfig
-from ead_llm.policies import EAD, Policy, check_policy, describe_policy
-from ead_llm.registry import shared_engine
-from ead_llm.sampling import SamplingParams
+from ead_llm.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
+from ead_llm.engine import Completion
+from ead_llm.ledger import Cost, Pricing
+from ead_llm.pair_model import CALL_OPTIONS, PairModel, iterate_in_thread
+from ead_llm.policies import check_policy, describe_policy, policy_from_description, policy_tag
 from ead_llm.types import Role
-from ead_llm.validation import check_stop
 
-CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos")
+logger = logging.getLogger(__name__)
+
+_DSPY_CALL = BaseLM.__call__.__wrapped__
+_DSPY_ACALL = BaseLM.acall.__wrapped__
+_STATE_FIELDS = (
+    "small",
+    "large",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "timeout",
+    "max_retries",
+    "prompt_format",
+    "device",
+    "dtype",
+    "revision",
+    "cache_dir",
+    "local_files_only",
+    "trust_remote_code",
+)
 
 
-class EntropyAdaptiveLLM(BaseLLM):
-    """A small and a large causal LM behaving as one LLM, the large one spent where text is hard.
+class _DSPyKwargs(dict[str, Any]):
+    """``lm.kwargs`` as DSPy reads it: the sampling fields plus extra request keys (``rollout_id``).
 
-    With no ``small``/``large`` it runs the embedded default pair offline. Every setting below
-    except the model sources can be overridden per call (``llm.invoke(x, policy=SmallOnly())``).
-    Each completion's cost dict is in ``generation_info["cost"]``; the call's sum is in
-    ``llm_output["cost"]`` beside ``llm_output["token_usage"]``.
+    A fresh view on each read; writes go back to the LM (a field, or an extra key).
     """
 
-    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    def __init__(self, owner: EntropyAdaptiveLLM) -> None:
+        super().__init__(owner._dspy_request_defaults())
+        self._owner = owner
 
-    small: str | None = None
-    """Hugging Face id or local folder of the small model (None: the embedded pair)."""
-    large: str | None = None
-    """Hugging Face id or local folder of the large model (None: the embedded pair)."""
-    policy: Policy | None = None
-    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: EAD with its defaults, and
-    on the embedded pair with the threshold chosen for it on the task's dev split."""
-    temperature: float = 0.0
-    """0 is greedy."""
-    top_p: float = 1.0
-    """Nucleus mass in (0, 1]."""
-    top_k: int = 0
-    """Keep the k most likely tokens; 0 disables."""
-    max_tokens: int = 256
-    """Most tokens generated per completion."""
-    seed: int | None = 0
-    """Seed of each call's random generators; the same seed and inputs give the same text."""
-    stop: list[str] | None = None
-    """Default stop strings, used when a call passes none."""
-    ignore_eos: bool = False
-    """Generate past EOS (for fixed-length benchmarks)."""
-    pricing: Pricing | None = None
-    """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
-    device: str | None = None
-    """Torch device; None picks CUDA when available, else CPU."""
-    dtype: str | None = None
-    """``float32``, ``bfloat16`` or ``float16``; None picks bf16 on a capable GPU, else float32."""
-    revision: str | None = None
-    """Hub revision of both models."""
-    cache_dir: str | None = None
-    """Hugging Face cache folder."""
-    local_files_only: bool = False
-    """Never reach the network."""
-    trust_remote_code: bool = False
-    """Allow model code from the Hub."""
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._owner._set_dspy_kwarg(key, value)
+        super().__setitem__(key, value)
 
-    _engine: Engine = PrivateAttr()
+    def __delitem__(self, key: str) -> None:
+        self._owner._set_dspy_kwarg(key, None)
+        super().__delitem__(key)
 
-    @field_validator("policy", mode="before")
-    @classmethod
-    def _check_policy(cls, value: Any) -> Policy | None:
-        return None if value is None else check_policy(value)
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _check_stop(cls, value: Any) -> list[str] | None:
-        return None if value is None else list(check_stop(value))
+class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
+    """A small and a large causal LM behaving as one LLM, the large one spent where text is hard.
 
-    def model_post_init(self, context: Any) -> None:
-        """Check the settings, then attach the shared engine (loading the pair on first use)."""
-        self._sampling({}, None)
-        if self.small is None or self.large is None:
-            if self.small is not None or self.large is not None:
-                raise ValueError("pass both small= and large=, or neither for the embedded default pair")
-            small, large = embedded_pair()
-            if self.policy is None:
-                self.policy = EAD(threshold=recommended_threshold())
-        else:
-            small, large = self.small, self.large
-        config = LoadConfig(
-            small=small,
-            large=large,
-            device=self.device,
-            dtype=self.dtype,
-            revision=self.revision,
-            cache_dir=self.cache_dir,
-            local_files_only=self.local_files_only,
-            trust_remote_code=self.trust_remote_code,
-        )
-        self._engine = shared_engine(config)
-        if self.policy is None:
-            self.policy = EAD()
+    With no ``small``/``large`` it runs the embedded default pair offline. Every sampling setting and
+    the policy can be overridden per call (``llm.invoke(x, policy=SmallOnly())``, ``llm.bind(...)``,
+    or in DSPy ``lm.copy(policy=...)``). Each completion's cost dict is in
+    ``generation_info["cost"]``; the call's sum in ``llm_output["cost"]`` beside
+    ``llm_output["token_usage"]``; in DSPy, in ``lm.history[i]["ead_cost"]``.
+    """
 
-    def _policy(self) -> Policy:
-        if self.policy is None:  # set in model_post_init; only a bypassed constructor leaves it unset
-            raise RuntimeError("EntropyAdaptiveLLM has no policy")
-        return self.policy
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    # DSPy's LM state (what dspy.LM.__init__ would set), declared so pydantic accepts it.
+    _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _dspy_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _engine_store: dict[Any, Any] = PrivateAttr(default_factory=dict)
+    _engine_lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _providers: tuple[Any, ...] = PrivateAttr(default=())
+    _warned_zero_temp_rollout: bool = PrivateAttr(default=False)
+    num_retries: ClassVar[int] = 0  # the engine retries out-of-memory failures itself (max_retries)
+    provider: ClassVar[Provider] = Provider()
+    use_developer_role: ClassVar[bool] = False
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    # -- DSPy's view ------------------------------------------------------------------------------
 
     @property
-    def engine(self) -> Engine:
-        """The shared engine running this object's pair."""
-        return self._engine
+    def model(self) -> str:
+        """DSPy's name of this LM: the pair and the policy (both decide the output)."""
+        return f"ead-llm/{self.pair_name}@{policy_tag(self._policy())}" + (",ignore_eos" if self.ignore_eos else "")
 
-    # -- per-call settings ------------------------------------------------------------------------
+    @property
+    def model_type(self) -> Literal["chat", "text"]:
+        """``chat`` (chat template) or ``text`` (raw completion prompt): see ``prompt_format``."""
+        return self.resolved_prompt_format
 
-    def _sampling(self, options: dict[str, Any], stop: list[str] | None) -> SamplingParams:
-        return SamplingParams(
-            temperature=options.get("temperature", self.temperature),
-            top_p=options.get("top_p", self.top_p),
-            top_k=options.get("top_k", self.top_k),
-            max_tokens=options.get("max_tokens", self.max_tokens),
-            stop=check_stop(stop if stop is not None else self.stop),
-            seed=options.get("seed", self.seed),
-            ignore_eos=options.get("ignore_eos", self.ignore_eos),
-        )
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """DSPy's call history of this object."""
+        return self._history
 
-    def _requests(self, prompts: list[str], stop: list[str] | None, kwargs: dict[str, Any]) -> list[Request]:
-        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown call options {unknown}; accepted: {list(CALL_OPTIONS)}")
-        policy = check_policy(kwargs.get("policy", self._policy()))
-        sampling = self._sampling(kwargs, stop)
-        return [Request(prompt=p, policy=policy, sampling=sampling) for p in prompts]
+    @history.setter
+    def history(self, value: list[dict[str, Any]]) -> None:
+        self._history = value
 
-    # -- LangChain contract -----------------------------------------------------------------------
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """DSPy's default request parameters: the sampling fields, plus extra keys such as ``rollout_id``."""
+        return _DSPyKwargs(self)
+
+    @kwargs.setter
+    def kwargs(self, value: dict[str, Any]) -> None:
+        self._dspy_extra = {}
+        for key, item in value.items():
+            self._set_dspy_kwarg(key, item)
+
+    def _dspy_request_defaults(self) -> dict[str, Any]:
+        defaults: dict[str, Any] = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        if self.top_k:
+            defaults["top_k"] = self.top_k
+        if self.stop:
+            defaults["stop"] = list(self.stop)
+        return {**{k: v for k, v in defaults.items() if v is not None}, **self._dspy_extra}
+
+    def _set_dspy_kwarg(self, key: str, value: Any) -> None:
+        if key in ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop"):
+            self._sampling({key: value}, value if key == "stop" else None)  # validates
+            setattr(self, key, value)
+        elif value is None:
+            self._dspy_extra.pop(key, None)
+        else:
+            self._dspy_extra[key] = value
+
+    @property
+    def _engine_spec(self) -> PairEngine:
+        return PairEngine(self)
+
+    @property
+    def _async_engine_spec(self) -> AsyncPairEngine:
+        return AsyncPairEngine(PairEngine(self))
+
+    @property
+    def supports_function_calling(self) -> bool:
+        return False
+
+    @property
+    def supports_reasoning(self) -> bool:
+        return False
+
+    @property
+    def supports_response_schema(self) -> bool:
+        return False
+
+    def _dspy_cache(self) -> bool:
+        return self.cache is not False
+
+    def __call__(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
+        """DSPy call: ``lm("text")`` / ``lm(messages=[...])`` return a list of outputs."""
+        kwargs.setdefault("cache", self._dspy_cache())
+        inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+            return finish(_DSPY_CALL(self, prompt, messages=messages, **kwargs))
+
+    async def acall(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
+        """Async DSPy call."""
+        kwargs.setdefault("cache", self._dspy_cache())
+        inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+            return finish(await _DSPY_ACALL(self, prompt, messages=messages, **kwargs))
+
+    def copy(self, **kwargs: Any) -> EntropyAdaptiveLLM:
+        """DSPy's copy: a new LM with updated settings, its own history, sharing the engine.
+
+        Field names (``temperature``, ``policy``, ...) set fields; other keys (``rollout_id``) become
+        DSPy request parameters, None removing one.
+        """
+        if "engine" in kwargs or "async_engine" in kwargs:
+            raise ValueError("an EntropyAdaptiveLLM's engine is its pair: copy(small=..., large=...) to change it")
+        if "model" in kwargs:
+            raise ValueError("model is derived from the pair and policy: copy(small=..., large=..., policy=...)")
+        names = set(type(self).model_fields)
+        updates = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        current = {k: getattr(self, k) for k in self.model_fields_set | {"policy"} if k in names}
+        copied = type(self)(**{**current, **updates})
+        copied._dspy_extra = dict(self._dspy_extra)
+        for key, value in kwargs.items():
+            copied._set_dspy_kwarg(key, value)
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> EntropyAdaptiveLLM:
+        """A ``copy()``: same engine and weights, own history."""
+        return self.copy()
+
+    def update_history(self, entry: dict[str, Any]) -> None:
+        """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording."""
+        responses = entry.get("response")
+        costs = []
+        for response in responses if isinstance(responses, (list, tuple)) else [responses]:
+            data = getattr(response, "provider_data", None)
+            if isinstance(data, dict) and "cost" in data:
+                costs.append(
+                    Cost.from_dict(data["cost"], small_params=data["small_params"], large_params=data["large_params"])
+                )
+        if costs:
+            total = Cost.total(costs, wall_time_s=sum(c.wall_time_s for c in costs)).to_dict()
+            entry["ead_cost"] = total
+            if entry.get("cost") is None and "cost_usd" in total:
+                entry["cost"] = total["cost_usd"]
+        super().update_history(entry)
+
+    def dump_state(self) -> dict[str, Any]:
+        """JSON state for DSPy's ``save``: the settings and the policy (never the weights)."""
+        state: dict[str, Any] = {
+            LM_CLASS_STATE_KEY: f"{type(self).__module__}.{type(self).__qualname__}",
+            **{name: getattr(self, name) for name in _STATE_FIELDS},
+            "policy": describe_policy(self._policy()),
+            "pricing": None if self.pricing is None else vars(self.pricing),
+        }
+        if self._dspy_extra:
+            state["dspy_kwargs"] = dict(self._dspy_extra)
+        return state
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False) -> EntropyAdaptiveLLM:
+        """Rebuild from :meth:`dump_state` (loads the pair through the shared-engine registry)."""
+        state = {k: v for k, v in state.items() if k != LM_CLASS_STATE_KEY}
+        extra = state.pop("dspy_kwargs", {})
+        if isinstance(state.get("policy"), dict):
+            state["policy"] = policy_from_description(state["policy"])
+        if isinstance(state.get("pricing"), dict):
+            state["pricing"] = Pricing(**state["pricing"])
+        llm = cls(**state)
+        for key, value in extra.items():
+            llm._set_dspy_kwarg(key, value)
+        return llm
+
+    # -- LangChain's view -------------------------------------------------------------------------
 
     @property
     def _llm_type(self) -> str:
@@ -147,20 +284,40 @@ class EntropyAdaptiveLLM(BaseLLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "small": self._engine.pair.small.info.source,
-            "large": self._engine.pair.large.info.source,
-            **describe_policy(self._policy()),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_tokens": self.max_tokens,
-            "seed": self.seed,
-        }
+        return self._identity()
 
-    def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the pair's tokenizer (used by ``get_num_tokens``)."""
-        return list(self._engine.tokenizer.encode(text, add_special_tokens=False))
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "ead-llm"
+        params["ls_model_name"] = self.pair_name
+        return params
+
+    def _bound(self, options: dict[str, Any]) -> EntropyAdaptiveLLM:
+        """This object with per-call options applied (so LangChain's cache key sees them)."""
+        if "policy" in options:
+            check_policy(options["policy"])
+        self._sampling(options, None)
+        bound = self.model_copy(update=options)
+        bound._history = self._history
+        return bound
+
+    def generate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
+    ) -> LLMResult:
+        """LangChain's generate; per-call options (``policy=...``) take part in the cache key."""
+        options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
+        if options:
+            return self._bound(options).generate(prompts, stop, callbacks, **kwargs)
+        return super().generate(prompts, stop, callbacks, **kwargs)
+
+    async def agenerate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
+    ) -> LLMResult:
+        """Async generate, with the same handling of per-call options."""
+        options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
+        if options:
+            return await self._bound(options).agenerate(prompts, stop, callbacks, **kwargs)
+        return await super().agenerate(prompts, stop, callbacks, **kwargs)
 
     def _generate(
         self,
@@ -170,9 +327,7 @@ class EntropyAdaptiveLLM(BaseLLM):
         **kwargs: Any,
     ) -> LLMResult:
         requests = self._requests(prompts, stop, kwargs)
-        start = time.perf_counter()
-        completions = self._engine.generate(requests, pricing=self.pricing)
-        total = Cost.total([c.cost for c in completions], wall_time_s=time.perf_counter() - start)
+        completions, total = self._run(requests)
         return LLMResult(
             generations=[[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions],
             llm_output={
@@ -182,10 +337,19 @@ class EntropyAdaptiveLLM(BaseLLM):
                     "total_tokens": total.prompt_tokens + total.completion_tokens,
                 },
                 "cost": total.to_dict(),
-                "model_name": self._llm_type,
+                "model_name": self.pair_name,
                 "policy": describe_policy(requests[0].policy if requests else self._policy()),
             },
         )
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
 
     def _stream(
         self,
@@ -195,28 +359,40 @@ class EntropyAdaptiveLLM(BaseLLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         (request,) = self._requests([prompt], stop, kwargs)
-        engine = self._engine
-        pair = engine.pair
-        ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.encode(request.prompt)), self.pricing)
-        start = time.perf_counter()
-        for event in engine.stream([request]):
-            ledger.record(event)
-            # lists and strings so that LangChain's chunk merging concatenates them
-            info: dict[str, Any] = {
-                "models": _ROLE_LETTER[event.role],
-                "token_ids": [event.token_id],
-                "entropies": [event.entropy],
-            }
-            if event.finish_reason is not None:
-                info["finish_reason"] = event.finish_reason.value
-                info["cost"] = ledger.cost(time.perf_counter() - start).to_dict()
-            chunk = GenerationChunk(text=event.text, generation_info=info)
+        for event, cost in self._stream_events(request):
+            chunk = GenerationChunk(
+                text=event.text, generation_info=_chunk_info(event.role, event.token_id, event.entropy)
+            )
+            if cost is not None and event.finish_reason is not None:
+                chunk.generation_info = {
+                    **(chunk.generation_info or {}),
+                    "finish_reason": event.finish_reason.value,
+                    "cost": cost.to_dict(),
+                }
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
 
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        iterator = self._stream(prompt, stop, None, **kwargs)
+        async for chunk in iterate_in_thread(iterator):
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
 
-_ROLE_LETTER = {Role.SMALL: "S", Role.LARGE: "L"}
+
+ROLE_LETTER = {Role.SMALL: "S", Role.LARGE: "L"}
+
+
+def _chunk_info(role: Role, token_id: int, entropy: float) -> dict[str, Any]:
+    """Lists and strings, so that LangChain's chunk merging concatenates them."""
+    return {"models": ROLE_LETTER[role], "token_ids": [token_id], "entropies": [entropy]}
 
 
 def _generation_info(completion: Completion) -> dict[str, Any]:
@@ -224,7 +400,45 @@ def _generation_info(completion: Completion) -> dict[str, Any]:
     return {
         "finish_reason": completion.finish_reason.value,
         "cost": completion.cost.to_dict(),
-        "models": "".join(_ROLE_LETTER[r] for r in completion.roles),
+        "models": "".join(ROLE_LETTER[r] for r in completion.roles),
         "token_ids": list(completion.token_ids),
         "entropies": list(completion.entropies),
     }
+
+
+@contextmanager
+def _dspy_callbacks(lm: EntropyAdaptiveLLM, inputs: dict[str, Any]) -> Iterator[Callable[[Any], Any]]:
+    """DSPy's ``on_lm_start``/``on_lm_end`` for the callbacks in ``dspy.settings.callbacks``.
+
+    (DSPy's own decorator also reads ``lm.callbacks``, which on this object are LangChain's.)
+    """
+    callbacks = list(dspy.settings.get("callbacks", None) or [])
+    if not callbacks:
+        yield lambda outputs: outputs
+        return
+    call_id = uuid.uuid4().hex
+    for callback in callbacks:
+        try:
+            callback.on_lm_start(call_id=call_id, instance=lm, inputs=inputs)
+        except Exception as exc:  # a failing callback must not fail the call (DSPy's rule)
+            logger.warning("DSPy callback %r failed on_lm_start: %s", callback, exc)
+    token = ACTIVE_CALL_ID.set(call_id)
+    result: dict[str, Any] = {"outputs": None}
+
+    def finish(outputs: Any) -> Any:
+        result["outputs"] = outputs
+        return outputs
+
+    error: BaseException | None = None
+    try:
+        yield finish
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        ACTIVE_CALL_ID.reset(token)
+        for callback in callbacks:
+            try:
+                callback.on_lm_end(call_id=call_id, outputs=result["outputs"], exception=error)
+            except Exception as exc:
+                logger.warning("DSPy callback %r failed on_lm_end: %s", callback, exc)

@@ -175,3 +175,37 @@ def check_policy(value: Any, name: str = "policy") -> Policy:
             f"{name} must be a policy object such as EAD(threshold=0.25), SmallOnly() or LargeOnly(), got {value!r}"
         )
     return value
+
+
+def _policy_classes() -> dict[str, type[Policy]]:
+    found: dict[str, type[Policy]] = {}
+    pending = list(Policy.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        name = getattr(cls, "name", None)
+        if isinstance(name, str):
+            found[name] = cls
+    return found
+
+
+def policy_from_description(description: dict[str, Any]) -> Policy:
+    """Rebuild a policy from :func:`describe_policy`'s output (for saved programs and configs)."""
+    if not isinstance(description, dict) or "policy" not in description:
+        raise ValueError(f"a policy description is a dict with a 'policy' name, got {description!r}")
+    classes = _policy_classes()
+    settings = dict(description)
+    name = settings.pop("policy")
+    if name not in classes:
+        raise ValueError(f"unknown policy {name!r}; known: {sorted(classes)}")
+    for key, value in settings.items():
+        if value == "inf":
+            settings[key] = math.inf
+    return classes[name](**settings)
+
+
+def policy_tag(policy: Policy) -> str:
+    """Compact one-line name of a policy and its settings: ``ead(threshold=0.05,window=5,...)``."""
+    settings = describe_policy(policy)
+    name = settings.pop("policy")
+    return f"{name}({','.join(f'{k}={v}' for k, v in settings.items())})"

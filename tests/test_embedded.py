@@ -28,7 +28,7 @@ def monkeypatch_module():
 
 
 def test_loads_offline_with_no_arguments(llm: EntropyAdaptiveLLM) -> None:
-    pair = llm.engine.pair
+    pair = llm.shared_engine.pair
     assert pair.small.info.source.startswith(str(EMBEDDED_DIR))
     assert pair.large.info.non_embedding_params >= 10 * pair.small.info.non_embedding_params
     assert llm.policy == EAD(threshold=recommended_threshold())
@@ -56,9 +56,9 @@ def test_shipped_files_fit_and_have_cards() -> None:
 @pytest.mark.slow
 def test_accuracy_gap_on_100_test_problems(llm: EntropyAdaptiveLLM) -> None:
     test = problems("test", 100)
-    small = run_policy(llm.engine, test, SmallOnly())
-    large = run_policy(llm.engine, test, LargeOnly())
-    ead = run_policy(llm.engine, test, EAD(threshold=recommended_threshold()))
+    small = run_policy(llm.shared_engine, test, SmallOnly())
+    large = run_policy(llm.shared_engine, test, LargeOnly())
+    ead = run_policy(llm.shared_engine, test, EAD(threshold=recommended_threshold()))
     assert large.accuracy >= 0.85
     assert small.accuracy <= 0.65
     assert large.accuracy - small.accuracy >= 0.25

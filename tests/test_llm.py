@@ -64,7 +64,7 @@ def test_stop_is_honoured(llm: EntropyAdaptiveLLM) -> None:
     assert cut == free[: free.index(stop)]
     with_default = llm.model_copy(update={"stop": [stop]})
     assert with_default.invoke("7*8=") == cut
-    assert with_default.engine is llm.engine
+    assert with_default.shared_engine is llm.shared_engine
 
 
 def test_policy_and_sampling_override_per_call(llm: EntropyAdaptiveLLM) -> None:
@@ -108,7 +108,7 @@ def test_bad_constructor_arguments(llama_paths) -> None:
 
 def test_objects_share_one_engine(llm: EntropyAdaptiveLLM, llama_paths) -> None:
     other = EntropyAdaptiveLLM(small=str(llama_paths[0]), large=str(llama_paths[1]) + "/", policy=LargeOnly())
-    assert other.engine is llm.engine
+    assert other.shared_engine is llm.shared_engine
 
 
 def test_prices_give_cost_usd(llama_paths) -> None:
