@@ -9,13 +9,15 @@ format instead:
   outputs, when ``max_demos`` allows);
 - completion: every output field before the last receives the text before the answer line; the
   last receives what follows ``answer_prefix`` on that line (or the last non-empty line when the
-  prefix is missing), converted to the field's type.
+  prefix is missing), converted to the field's type; a numeric field takes the first number there
+  (as ``ead_llm.task.extract_answer`` does), so DSPy metrics agree with the task's own scoring.
 
 Instruct pairs keep DSPy's standard adapters (``ChatAdapter``/``JSONAdapter``).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import dspy
@@ -25,6 +27,8 @@ from dspy.utils.exceptions import AdapterParseError
 
 from ead_llm.task import ANSWER_PREFIX
 from ead_llm.validation import check_int
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 class CompletionAdapter(dspy.Adapter):
@@ -74,8 +78,11 @@ class CompletionAdapter(dspy.Adapter):
         else:
             lines = [line.strip() for line in completion.splitlines() if line.strip()]
             answer, head = (lines[-1], "\n".join(lines[:-1])) if lines else ("", "")
+        annotation = signature.output_fields[final].annotation
+        if annotation in (int, float) and (number := _NUMBER.search(answer)) is not None:
+            answer = number.group(0)
         try:
-            value = parse_value(answer, signature.output_fields[final].annotation)
+            value = parse_value(answer, annotation)
         except Exception as exc:
             raise AdapterParseError(
                 adapter_name=type(self).__name__,

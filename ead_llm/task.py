@@ -161,6 +161,60 @@ def problems(split: Split, n: int, *, seed: int = 0, difficulty: Difficulty | No
     return out
 
 
+_COLUMN = re.compile(r"^(1?)(\d)([+-])(\d)[+-](\d)=(\d+)$")
+_STEP = re.compile(r"^(\d+)([+-])(\d+)$")
+_RESULT = re.compile(r"^=(\d+)$")
+
+
+def _column_error(line: str, match: re.Match[str]) -> str | None:
+    borrowed, a, op, b, c, d = match.groups()
+    a_value, b_value, c_value, d_value = int(a) + (10 if borrowed else 0), int(b), int(c), int(d)
+    if op == "+":
+        return None if a_value + b_value + c_value == d_value and not borrowed else f"wrong column sum: {line}"
+    return None if a_value - b_value - c_value == d_value else f"wrong column difference: {line}"
+
+
+def consistency_errors(solution: str) -> list[str]:
+    """What is internally wrong with a worked solution, without solving the problem again.
+
+    Checks each column line's arithmetic, that each step starts from the previous step's result,
+    that a step's result is made of its columns' digits, and that the answer line repeats the last
+    result. An empty list means the work is consistent (not that the answer is right: a misread
+    operand goes unnoticed).
+    """
+    errors: list[str] = []
+    previous: int | None = None
+    digits: list[str] = []
+    last: int | None = None
+    answer = extract_answer(solution)
+    for raw in solution.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("####"):
+            continue
+        if column := _COLUMN.match(line):
+            if error := _column_error(line, column):
+                errors.append(error)
+            digits.append(column.group(6))
+        elif step := _STEP.match(line):
+            if previous is not None and int(step.group(1)) != previous:
+                errors.append(f"step starts from {step.group(1)}, not the previous result {previous}")
+            digits = []
+        elif result := _RESULT.match(line):
+            value = int(result.group(1))
+            if digits:
+                assembled = digits[-1] + "".join(d[-1] for d in reversed(digits[:-1]))
+                if int(assembled) != value:
+                    errors.append(f"result {value} does not match its columns ({int(assembled)})")
+            previous = last = value
+        else:
+            errors.append(f"unreadable line: {line!r}")
+    if answer is None:
+        errors.append("no '#### answer' line")
+    elif last is not None and answer != last:
+        errors.append(f"answer {answer} is not the last result {last}")
+    return errors
+
+
 _ANSWER = re.compile(r"####\s*(-?\d+)")
 _NUMBER = re.compile(r"-?\d+")
 

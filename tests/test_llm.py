@@ -144,3 +144,90 @@ def test_in_a_chain_and_token_counting(llm: EntropyAdaptiveLLM) -> None:
     assert chain.invoke({"a": 12, "b": 35}) == llm.invoke("12+35=")
     assert llm.get_num_tokens("12+35=") == 6
     assert llm.batch(["1", "2"]) == [llm.invoke("1"), llm.invoke("2")]
+
+
+class _CountingEngine:
+    """Counts the shared engine's ``generate`` calls and the requests in each."""
+
+    def __init__(self, llm: EntropyAdaptiveLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[int] = []
+        engine = llm.shared_engine
+        original = engine.generate
+
+        def generate(requests, *args: Any, **kwargs: Any):
+            self.calls.append(len(requests))
+            return original(requests, *args, **kwargs)
+
+        monkeypatch.setattr(engine, "generate", generate)
+
+
+def test_batch_reaches_one_engine_call(llm: EntropyAdaptiveLLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = _CountingEngine(llm, monkeypatch)
+    outputs = llm.batch(["1", "2", "3"])
+    assert counter.calls == [3]
+    assert outputs == [llm.invoke(p) for p in ("1", "2", "3")]
+
+
+async def test_async_invoke_and_stream_match_sync(llm: EntropyAdaptiveLLM) -> None:
+    assert await llm.ainvoke("12+35=") == llm.invoke("12+35=")
+    chunks = [chunk async for chunk in llm.astream("12+35=", policy=LargeOnly())]
+    assert "".join(chunks) == llm.invoke("12+35=", policy=LargeOnly())
+    assert await llm.abatch(["1", "2"]) == llm.batch(["1", "2"])
+
+
+def test_langchain_cache_keys_include_per_call_options(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    from langchain_core.caches import InMemoryCache
+
+    cached = EntropyAdaptiveLLM(
+        small=str(llama_paths[0]), large=str(llama_paths[1]), max_tokens=8, cache=InMemoryCache()
+    )
+    counter = _CountingEngine(cached, monkeypatch)
+    first = cached.invoke("12+35=")
+    assert cached.invoke("12+35=") == first
+    assert counter.calls == [1]  # the second call was a cache hit
+    large = cached.invoke("12+35=", policy=LargeOnly())
+    assert counter.calls == [1, 1]  # another policy is another cache entry, never the first answer
+    assert large == cached.invoke("12+35=", policy=LargeOnly()) and counter.calls == [1, 1]
+    assert cached.bind(policy=SmallOnly()).invoke("12+35=") == cached.invoke("12+35=", policy=SmallOnly())
+
+
+def test_bind_sets_the_policy_and_refuses_bad_values(llm: EntropyAdaptiveLLM) -> None:
+    result = llm.bind(policy=LargeOnly()).invoke("12+35=")
+    assert result == llm.invoke("12+35=", policy=LargeOnly())
+    with pytest.raises(ValueError, match="policy must be a policy object"):
+        llm.bind(policy="large-only").invoke("12+35=")
+
+
+def test_timeout_fails_the_call_and_frees_the_engine(llama_paths) -> None:
+    paths = {"small": str(llama_paths[0]), "large": str(llama_paths[1])}
+    slow = EntropyAdaptiveLLM(**paths, max_tokens=40, ignore_eos=True, timeout=1e-6)
+    with pytest.raises(TimeoutError, match="timeout"):
+        slow.invoke("12+35=")
+    with pytest.raises(TimeoutError, match="timeout"):
+        list(slow.stream("12+35="))
+    fine = EntropyAdaptiveLLM(**paths, max_tokens=40, ignore_eos=True)
+    assert len(fine.generate(["12+35="]).generations[0][0].generation_info["token_ids"]) == 40  # type: ignore[index]
+    with pytest.raises(ValueError, match="timeout"):
+        EntropyAdaptiveLLM(**paths, timeout=0)
+
+
+def test_out_of_memory_is_retried_up_to_max_retries(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    llm = EntropyAdaptiveLLM(small=str(llama_paths[0]), large=str(llama_paths[1]), max_tokens=6, max_retries=1)
+    expected = llm.invoke("12+35=")
+    engine = llm.shared_engine
+    original = engine.generate
+    failures = {"left": 1}
+
+    def flaky(*args: Any, **kwargs: Any):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "generate", flaky)
+    assert llm.invoke("12+35=") == expected
+    failures["left"] = 2
+    with pytest.raises(torch.OutOfMemoryError):
+        llm.invoke("12+35=")

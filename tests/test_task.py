@@ -12,6 +12,7 @@ from ead_llm.task import (
     accuracy,
     column_add,
     column_sub,
+    consistency_errors,
     extract_answer,
     is_correct,
     problems,
@@ -124,3 +125,23 @@ def test_bad_split_arguments() -> None:
         problems("val", 3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="n must be"):
         problems("dev", -1)
+
+
+def test_consistency_check_accepts_every_reference_solution() -> None:
+    assert all(consistency_errors(p.solution) == [] for p in problems("dev", 200))
+
+
+def test_consistency_check_names_each_kind_of_mistake() -> None:
+    good = solve(4821, [("+", 3907), ("-", 1568)])[0]
+    assert consistency_errors(good.replace("8+9+0=17", "8+9+0=16")) == [
+        "wrong column sum: 8+9+0=16",
+        "result 8728 does not match its columns (8628)",
+    ]
+    assert consistency_errors(good.replace("12-6-0=6", "12-6-0=5"))[0] == "wrong column difference: 12-6-0=5"
+    assert consistency_errors(good.replace("8728-1568", "8729-1568")) == [
+        "step starts from 8729, not the previous result 8728"
+    ]
+    assert consistency_errors(good.replace("=8728\n", "=8738\n"))[0] == "result 8738 does not match its columns (8728)"
+    assert consistency_errors(good.replace("#### 7160", "#### 7161")) == ["answer 7161 is not the last result 7160"]
+    assert consistency_errors(good.replace("#### 7160\n", "")) == ["no '#### answer' line"]
+    assert consistency_errors("garbage\n#### 3")[0] == "unreadable line: 'garbage'"

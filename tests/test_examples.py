@@ -1,0 +1,44 @@
+"""Every script in examples/ runs offline and prints what it promises."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def run_example(name: str, tmp_path: Path) -> str:
+    env = {**os.environ, "DSPY_CACHEDIR": str(tmp_path / "dspy-cache"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, env=env, timeout=240, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_langchain_quickstart(tmp_path: Path) -> None:
+    out = run_example("langchain_quickstart.py", tmp_path)
+    assert "#### 7160" in out
+    assert "which model wrote each token:" in out and "LargeOnly large model wrote" in out
+
+
+def test_dspy_optimize(tmp_path: Path) -> None:
+    out = run_example("dspy_optimize.py", tmp_path)
+    assert "answer: 7160" in out and "dev accuracy:" in out and "'large_tokens'" in out
+
+
+def test_cost_tracking(tmp_path: Path) -> None:
+    out = run_example("cost_tracking.py", tmp_path)
+    lines = [line for line in out.splitlines() if " calls " in line]
+    assert len(lines) == 2 and all("calls 2" in line for line in lines)
+    assert "large fraction 1.00" in lines[1]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_every_example_is_covered(name: str) -> None:
+    assert name in {"langchain_quickstart.py", "dspy_optimize.py", "cost_tracking.py"}

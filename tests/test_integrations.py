@@ -1,0 +1,47 @@
+"""The integration suites (real LangChain and DSPy on the embedded pair) at small sizes."""
+
+from __future__ import annotations
+
+import math
+
+import dspy
+import pytest
+
+from ead_llm.task import consistency_errors
+from integrations import dspy_program, langchain_agent, langchain_chain
+
+
+@pytest.fixture(autouse=True)
+def memory_only_dspy_cache():
+    dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=True)
+    yield
+    dspy.configure_cache()
+
+
+def test_lcel_chain_batches_and_streams() -> None:
+    result = langchain_chain.run(n=16)
+    assert result.calls == math.ceil(16 / 8) + 1  # batches of max_concurrency, then the stream
+    assert result.streamed_matches_batch and result.streamed_chunks > 10
+    assert 0.0 < result.large_fraction < 1.0
+    assert 0.0 <= result.accuracy <= 1.0
+
+
+def test_agent_escalates_exactly_when_the_check_fails() -> None:
+    from ead_llm import EntropyAdaptiveLLM
+    from ead_llm.task import problems
+
+    result = langchain_agent.run(n=12)
+    llm = EntropyAdaptiveLLM(max_tokens=400)
+    inconsistent = sum(bool(consistency_errors(llm.invoke(p.prompt))) for p in problems("test", 12))
+    assert result.escalated == inconsistent
+    assert result.accuracy >= result.first_try_accuracy
+    assert result.cost["large_tokens"] > 0
+
+
+def test_dspy_program_compiles_and_evaluates() -> None:
+    result = dspy_program.run(train=4, dev=8, threads=4)
+    assert result.demos >= 1  # the large-model teacher bootstrapped traces
+    # the adapter renders no demos for the embedded pair, so compiling leaves the prompts unchanged
+    assert result.compiled_accuracy == result.baseline_accuracy
+    assert result.calls >= 2 * 8
+    assert result.cost["completion_tokens"] > 0
