@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ead_llm.ledger import CompletionLedger, Cost, Pricing
-from ead_llm.loading import ModelPair
+from ead_llm.loading import LoadConfig, ModelPair
 from ead_llm.ops import entropy_bits
 from ead_llm.policies import Policy, check_policy
 from ead_llm.runner import ForwardRow, ModelCache, ModelRunner
@@ -111,6 +111,24 @@ class Engine:
         limits = [m.info.max_positions for m in (pair.small, pair.large) if m.info.max_positions]
         self.max_positions: int | None = min(limits) if limits else None
         self._lock = threading.Lock()
+        self.load_config: LoadConfig | None = None
+        """Set by the registry: how to load this pair again (pickling an object that holds the engine
+        stores this instead of the weights)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
+        """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
+        if self.load_config is None:
+            raise TypeError("this Engine was built from a ModelPair directly; only shared engines can be pickled")
+        from ead_llm.registry import shared_engine
+
+        return shared_engine, (self.load_config,)
+
+    def __copy__(self) -> Engine:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Engine:
+        """The engine is a shared resource: copying an object that holds it never clones the weights."""
+        return self
 
     # -- prompts ---------------------------------------------------------------------------------
 

@@ -233,6 +233,19 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         """A ``copy()``: same engine and weights, own history."""
         return self.copy()
 
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickle without DSPy's lock and engine pools (the engine pickles as its load settings)."""
+        state = super().__getstate__()
+        private = dict(state.get("__pydantic_private__") or {})
+        private.pop("_engine_lock", None)
+        private.pop("_engine_store", None)
+        return {**state, "__pydantic_private__": private}
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        super().__setstate__(state)
+        self._engine_lock = threading.RLock()
+        self._engine_store = {}
+
     def update_history(self, entry: dict[str, Any]) -> None:
         """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording."""
         responses = entry.get("response")

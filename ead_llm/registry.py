@@ -38,6 +38,7 @@ def shared_engine(config: LoadConfig) -> Engine:
         engine = _ENGINES.get(key)
         if engine is None:
             engine = Engine(load_pair(key))
+            engine.load_config = key
             _ENGINES[key] = engine
         return engine
 

@@ -218,3 +218,30 @@ def test_stop_strings_reach_the_engine(llm: EntropyAdaptiveLLM) -> None:
     prompt = PROBLEMS[0].prompt
     (cut,) = llm(prompt, stop=["\n="], cache=False)
     assert cut == llm.invoke(prompt, stop=["\n="]) and "\n=" not in cut and len(cut) < len(llm.invoke(prompt))
+
+
+async def test_streamify_streams_the_engine_tokens(llm: EntropyAdaptiveLLM, adapter) -> None:
+    problem = PROBLEMS[1].prompt
+    with dspy.context(lm=llm.copy(cache=False), adapter=adapter):
+        streamed = dspy.streamify(dspy.Predict(Solve))
+        items = [item async for item in streamed(problem=problem.strip())]
+    chunks, final = items[:-1], items[-1]
+    assert isinstance(final, dspy.Prediction) and final.answer == extract_answer(llm.invoke(problem))
+    assert len(chunks) == len(llm.generate([problem]).generations[0][0].generation_info["token_ids"])  # type: ignore[index]
+
+
+def test_chat_pair_messages_match_the_chat_model() -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+
+    from ead_llm import ChatEntropyAdaptive
+    from tests.tiny_pairs import chat_pair
+
+    small, large = chat_pair()
+    lm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=8)
+    chat = ChatEntropyAdaptive(small=small, large=large, max_tokens=8)
+    assert lm.model_type == "chat" and lm.shared_engine is chat.shared_engine
+    lm15 = dspy.lm15
+    request = lm15.Request(model=lm.model, system="Be brief.", messages=(lm15.Message.user("hello"),))
+    response = lm(request, cache=False)
+    assert response.text == chat.invoke([SystemMessage("Be brief."), HumanMessage("hello")]).content
+    assert copy.deepcopy(chat).shared_engine is chat.shared_engine

@@ -231,3 +231,18 @@ def test_out_of_memory_is_retried_up_to_max_retries(llama_paths, monkeypatch: py
     failures["left"] = 2
     with pytest.raises(torch.OutOfMemoryError):
         llm.invoke("12+35=")
+
+
+def test_pickling_stores_settings_not_weights(llm: EntropyAdaptiveLLM, llama_pair) -> None:
+    import pickle
+
+    from ead_llm import ChatEntropyAdaptive, Engine
+
+    data = pickle.dumps(llm)
+    assert len(data) < 50_000  # the two models' weights alone are megabytes
+    restored = pickle.loads(data)
+    assert restored.shared_engine is llm.shared_engine and restored.invoke("12+35=") == llm.invoke("12+35=")
+    chat = ChatEntropyAdaptive(small=llm.small, large=llm.large)
+    assert pickle.loads(pickle.dumps(chat)).shared_engine is llm.shared_engine
+    with pytest.raises(TypeError, match="only shared engines can be pickled"):
+        pickle.dumps(Engine(llama_pair))
