@@ -1,17 +1,20 @@
 """The engine: one loaded pair shared by every caller, decoding step by step under a policy.
 
-Each step the engine asks every live sequence's policy which model produces its next token,
-groups the sequences by that model, has the model's runner return next-token logits for the
-group (catching each cache up on what it has not seen), samples, and yields one
-:class:`TokenEvent` per emitted token. Text, stop strings, the ledger and the framework
-adapters all consume that one stream.
+A scheduler thread runs the step loop for all callers at once. Each step it asks every live
+sequence's policy which model produces its next token, groups the sequences by that model, has
+the model's runner return next-token logits for the whole group in one batched pass (catching
+each sequence's cache up on what it has not seen), samples each row with its own generator, and
+hands each caller one :class:`TokenEvent` per emitted token. Text, stop strings, the ledger and
+the framework adapters all consume that one stream.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections import deque
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,10 +76,22 @@ class Completion:
 
 
 @dataclass
+class _Call:
+    """One caller's requests: the scheduler puts their events (or a failure) on ``queue``."""
+
+    queue: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False
+    failed: bool = False
+
+
+@dataclass
 class _Sequence:
+    call: _Call
     index: int
     tokens: list[int]
     prompt_len: int
+    reserve: int
+    """KV positions this sequence may need (prompt and max_tokens, within the context limit)."""
     policy: Policy
     state: Any
     params: SamplingParams
@@ -84,6 +99,7 @@ class _Sequence:
     detok: IncrementalDetokenizer
     stops: StopMatcher
     caches: dict[Role, ModelCache]
+    slot: int = -1
     generated: int = 0
     finished: bool = False
 
@@ -101,19 +117,40 @@ def _check_requests(requests: Sequence[Request]) -> None:
 
 
 class Engine:
-    """Decodes requests on a loaded pair. Thread-safe: concurrent calls run one after another."""
+    """Decodes requests on a loaded pair for any number of callers (threads or async tasks).
 
-    def __init__(self, pair: ModelPair) -> None:
+    A scheduler thread owns the models. Callers' requests queue and join the running batch
+    (continuous batching): each step, every live sequence's policy names the model it needs, the
+    sequences are grouped by model, each group runs as one batched forward pass, and each caller
+    gets its own events. At most ``max_batch`` sequences run at once and their reserved KV
+    positions (prompt plus ``max_tokens``) stay within ``kv_budget_tokens``; the rest wait. A
+    sequence's randomness is its own (seed and row), so its text does not depend on what else runs
+    (up to floating-point rounding of batched kernels, which can flip an exact tie).
+    """
+
+    def __init__(self, pair: ModelPair, max_batch: int = 64, kv_budget_tokens: int | None = None) -> None:
         self.pair = pair
         self.tokenizer = pair.tokenizer
-        self.runners = {role: ModelRunner(pair.model(role), pair.device, pair.vocab_size) for role in Role}
-        self.sampler = Sampler()
         limits = [m.info.max_positions for m in (pair.small, pair.large) if m.info.max_positions]
         self.max_positions: int | None = min(limits) if limits else None
-        self._lock = threading.Lock()
+        self.max_batch = check_int("max_batch", max_batch, minimum=1)
+        if kv_budget_tokens is not None:
+            check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
+        self.kv_budget_tokens = kv_budget_tokens
+        self.runners = {
+            role: ModelRunner(pair.model(role), pair.device, pair.vocab_size, max_batch, self.max_positions)
+            for role in Role
+        }
+        self.sampler = Sampler()
         self.load_config: LoadConfig | None = None
         """Set by the registry: how to load this pair again (pickling an object that holds the engine
         stores this instead of the weights)."""
+        self._cond = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._live: list[_Sequence] = []
+        self._free_slots = list(range(max_batch - 1, -1, -1))
+        self._reserved = 0
+        self._thread: threading.Thread | None = None
 
     def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
         """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
@@ -153,14 +190,25 @@ class Engine:
             )
         return ids
 
-    # -- decoding --------------------------------------------------------------------------------
+    # -- callers ---------------------------------------------------------------------------------
 
-    def _start(self, index: int, request: Request) -> _Sequence:
+    def _sequence(self, call: _Call, index: int, request: Request) -> _Sequence:
         ids = self.encode(request.prompt)
+        reserve = len(ids) + request.sampling.max_tokens
+        if self.max_positions is not None:
+            reserve = min(reserve, self.max_positions)
+        if self.kv_budget_tokens is not None and reserve > self.kv_budget_tokens:
+            raise ValueError(
+                f"a request needs up to {reserve} KV positions (prompt {len(ids)} + max_tokens "
+                f"{request.sampling.max_tokens}) but kv_budget_tokens is {self.kv_budget_tokens}: "
+                "lower max_tokens or raise the budget"
+            )
         return _Sequence(
+            call=call,
             index=index,
             tokens=ids,
             prompt_len=len(ids),
+            reserve=reserve,
             policy=request.policy,
             state=request.policy.start(),
             params=request.sampling,
@@ -175,35 +223,104 @@ class Engine:
     def stream(self, requests: Sequence[Request]) -> Generator[TokenEvent, None, None]:
         """Yield one event per generated token of every request, interleaved across requests.
 
-        Requests are checked (and prompts encoded) before anything runs. Holds the engine while
-        it runs; close the iterator (or exhaust it) to let other callers in.
+        Requests are checked (and prompts encoded) before anything is queued. Closing the iterator
+        early cancels the requests and frees their caches.
         """
         _check_requests(requests)
         if not requests:
             return
-        with self._lock, torch.inference_mode():
-            sequences = [self._start(i, r) for i, r in enumerate(requests)]
-            try:
-                live = sequences
-                while live:
-                    yield from self._step(live)
-                    live = [s for s in live if not s.finished]
-            finally:
-                for seq in sequences:
-                    seq.release()
+        call = _Call()
+        sequences = [self._sequence(call, i, r) for i, r in enumerate(requests)]
+        with self._cond:
+            self._waiting.extend(sequences)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ead-llm-engine", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        remaining = len(sequences)
+        try:
+            while remaining:
+                item = call.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    remaining -= 1
+                yield item
+        finally:
+            if remaining:
+                with self._cond:
+                    call.cancelled = True
+                    self._cond.notify()
 
-    def _step(self, live: list[_Sequence]) -> Iterator[TokenEvent]:
+    @property
+    def load(self) -> dict[str, int]:
+        """Sequences running and waiting, and the KV positions reserved by the running ones."""
+        with self._cond:
+            return {"running": len(self._live), "waiting": len(self._waiting), "reserved_kv": self._reserved}
+
+    # -- the scheduler ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    self._drop_cancelled()
+                    self._admit()
+                    while not self._live:
+                        self._cond.wait()
+                        self._drop_cancelled()
+                        self._admit()
+                    live = list(self._live)
+                self._step(live)
+                with self._cond:
+                    for seq in live:
+                        if seq.finished:
+                            self._retire(seq)
+
+    def _retire(self, seq: _Sequence) -> None:
+        """Free a running sequence's slot and reservation (call with the condition held)."""
+        if seq in self._live:
+            self._live.remove(seq)
+            self._free_slots.append(seq.slot)
+            self._reserved -= seq.reserve
+        seq.release()
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._live if s.call.cancelled or s.call.failed]:
+            seq.finished = True
+            self._retire(seq)
+        self._waiting = deque(s for s in self._waiting if not (s.call.cancelled or s.call.failed))
+
+    def _admit(self) -> None:
+        """Move waiting sequences into the batch, first come first served, while slots and budget allow."""
+        while self._waiting and self._free_slots:
+            seq = self._waiting[0]
+            if self.kv_budget_tokens is not None and self._reserved + seq.reserve > self.kv_budget_tokens:
+                return
+            self._waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._reserved += seq.reserve
+            self._live.append(seq)
+
+    def _step(self, live: list[_Sequence]) -> None:
         groups: dict[Role, list[_Sequence]] = {}
         for seq in live:
             groups.setdefault(seq.policy.choose(seq.state), []).append(seq)
         for role, group in sorted(groups.items(), key=lambda item: item[0].value):
-            rows = [ForwardRow(seq.caches[role], seq.tokens) for seq in group]
-            logits, work = self.runners[role].forward(rows)  # logits: [B, V]
-            entropies = entropy_bits(logits).tolist()  # [B]
-            for seq, row_logits, row_work, entropy in zip(group, logits, work, entropies, strict=True):
-                token = self.sampler.sample(row_logits, seq.params, seq.generator)
-                seq.state = seq.policy.advance(seq.state, role, entropy)
-                yield self._emit(seq, token, role, entropy, (row_work,))
+            try:
+                rows = [ForwardRow(seq.slot, seq.caches[role], seq.tokens) for seq in group]
+                logits, work = self.runners[role].forward(rows)  # logits: [B, V]
+                entropies = entropy_bits(logits).tolist()  # [B]
+                for seq, row_logits, row_work, entropy in zip(group, logits, work, entropies, strict=True):
+                    token = self.sampler.sample(row_logits, seq.params, seq.generator)
+                    seq.state = seq.policy.advance(seq.state, role, entropy)
+                    seq.call.queue.put(self._emit(seq, token, role, entropy, (row_work,)))
+            except Exception as exc:  # fail the callers in this group; everyone else carries on
+                for seq in group:
+                    seq.finished = True
+                    if not seq.call.failed:
+                        seq.call.failed = True
+                        seq.call.queue.put(exc)
 
     def _emit(
         self, seq: _Sequence, token: int, role: Role, entropy: float, work: tuple[ForwardWork, ...]

@@ -17,22 +17,44 @@ LogitsFn = Callable[[int, list[int]], torch.Tensor]
 
 
 class ScriptedModel(torch.nn.Module):
-    """Returns chosen logits for each position; records every forward's input ids."""
+    """Returns chosen logits for each position; records each row's new tokens per forward.
+
+    It keeps its history where a real model keeps its keys: it writes each token id as a one-number
+    key into the cache, so the engine's pooled caches, masks and positions are exercised for real.
+    """
 
     def __init__(self, vocab: int, logits_fn: LogitsFn) -> None:
         super().__init__()
         self.config = LlamaConfig(vocab_size=vocab, hidden_size=8, num_hidden_layers=1, num_attention_heads=1)
         self.logits_fn = logits_fn
         self.calls: list[list[int]] = []
+        self.batches: list[int] = []
 
-    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = True, logits_to_keep: int = 0):
-        new = input_ids[0].tolist()
-        self.calls.append(new)
-        history: list[int] = getattr(cache, "scripted_tokens", [])
-        history = history + new
-        cache.scripted_tokens = history
-        rows = [self.logits_fn(len(history) - len(new) + i + 1, history) for i in range(len(new))]
-        logits = torch.stack(rows)[None]  # [1, T, V]
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        cache_position: torch.Tensor | None = None,
+        cache=None,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+    ):
+        batch, width = input_ids.shape
+        keys, _ = cache.update(input_ids[:, None, :, None].float(), input_ids[:, None, :, None].float(), 0)
+        past_len = keys.shape[2] - width
+        self.batches.append(batch)
+        out = []
+        for b in range(batch):
+            past = keys[b, 0, :past_len, 0][attention_mask[b, :past_len].bool()].long().tolist()
+            count = int((position_ids[b] - position_ids[b, 0]).max()) + 1  # pads repeat the last position
+            new = input_ids[b, :count].tolist()
+            self.calls.append(new)
+            history = past + new
+            rows = [self.logits_fn(len(past) + i + 1, history[: len(past) + i + 1]) for i in range(count)]
+            rows += [rows[-1]] * (width - count)
+            out.append(torch.stack(rows))
+        logits = torch.stack(out)  # [B, N, V]
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]
         return SimpleNamespace(logits=logits)
