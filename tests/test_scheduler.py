@@ -1,0 +1,135 @@
+"""The shared engine under many callers: batching, fairness, limits, cancellation, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly
+from ead_llm.engine import Engine, Request
+from ead_llm.sampling import SamplingParams
+from ead_llm.task import problems
+
+POLICIES = [EAD(threshold=0.05), SmallOnly(), LargeOnly(), EAD(threshold=0.2, min_dwell=3)]
+
+
+def _mixed_requests(n: int) -> list[Request]:
+    out = []
+    for i, problem in enumerate(problems("test", n)):
+        sampling = SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 0.8, seed=i)
+        out.append(Request(problem.prompt, POLICIES[i % len(POLICIES)], sampling))
+    return out
+
+
+@pytest.fixture(scope="module")
+def embedded_engine() -> Engine:
+    return EntropyAdaptiveLLM().shared_engine
+
+
+def test_concurrent_callers_get_their_single_caller_results(embedded_engine: Engine) -> None:
+    requests = _mixed_requests(24)
+    alone = [embedded_engine.generate([r])[0].token_ids for r in requests]
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(lambda r: embedded_engine.generate([r])[0].token_ids, requests))
+    assert together == alone
+    in_one_call = [c.token_ids for c in embedded_engine.generate(requests)]
+    # in one call, request i draws from random stream i (its row), so only greedy rows must agree
+    assert [a for a, r in zip(in_one_call, requests, strict=True) if r.sampling.temperature == 0] == [
+        a for a, r in zip(alone, requests, strict=True) if r.sampling.temperature == 0
+    ]
+
+
+def test_async_callers_share_the_batch(embedded_engine: Engine) -> None:
+    llm = EntropyAdaptiveLLM(max_tokens=60)
+    prompts = [p.prompt for p in problems("test", 12)]
+    expected = [llm.invoke(p) for p in prompts]
+
+    async def all_at_once() -> list[str]:
+        return list(await asyncio.gather(*(llm.ainvoke(p) for p in prompts)))
+
+    assert asyncio.run(all_at_once()) == expected
+
+
+def test_max_batch_bounds_the_running_set(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=2)
+    requests = [Request("12+35=", SmallOnly(), SamplingParams(max_tokens=30, ignore_eos=True, seed=i)) for i in range(5)]
+    seen: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            seen.append(engine.load["running"])
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        outputs = list(pool.map(lambda r: engine.generate([r])[0], requests))
+    done.set()
+    watcher.join()
+    assert max(seen) == 2 and all(len(o.token_ids) == 30 for o in outputs)
+    assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_kv_budget_admits_what_fits_and_refuses_what_never_can(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=8, kv_budget_tokens=80)
+    request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=30, ignore_eos=True))  # 7 + 30 positions
+    assert [len(c.token_ids) for c in engine.generate([request] * 5)] == [30] * 5  # two at a time
+    with pytest.raises(ValueError, match="kv_budget_tokens is 80"):
+        engine.generate([Request("12+35=", SmallOnly(), SamplingParams(max_tokens=100))])
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(llama_pair, max_batch=0)
+
+
+def test_closing_a_stream_cancels_and_frees_its_slots(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=4)
+    long = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=200, ignore_eos=True))
+    stream = engine.stream([long, long, long])
+    first = [next(stream) for _ in range(3)]
+    assert {e.index for e in first} == {0, 1, 2}
+    stream.close()
+    for _ in range(200):
+        if engine.load["running"] == 0:
+            break
+        time.sleep(0.01)
+    assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    short = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [len(c.token_ids) for c in engine.generate([short] * 4)] == [5] * 4
+
+
+def test_a_failing_forward_fails_only_its_callers(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ead_llm.types import Role
+
+    engine = Engine(llama_pair, max_batch=8)
+    small_request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=40, ignore_eos=True))
+    expected = engine.generate([small_request])[0].token_ids
+    runner = engine.runners[Role.LARGE]
+
+    def broken(rows):
+        raise RuntimeError("injected large-model failure")
+
+    monkeypatch.setattr(runner, "forward", broken)
+    errors: list[BaseException] = []
+    results = []
+
+    def large_caller() -> None:
+        try:
+            engine.generate([Request("12+35=", LargeOnly(), SamplingParams(max_tokens=40))])
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=large_caller) for _ in range(2)]
+    threads += [threading.Thread(target=lambda: results.append(engine.generate([small_request])[0].token_ids))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [str(e) for e in errors] == ["injected large-model failure"] * 2
+    assert results == [expected]
+    monkeypatch.undo()
+    assert engine.generate([small_request])[0].token_ids == expected
+    assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
