@@ -105,6 +105,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ead_llm.llm import EntropyAdaptiveLLM
+    from ead_llm.server import create_app
+
+    policy = None if args.policy == "ead" and args.threshold is None else _policy(args)
+    llm = EntropyAdaptiveLLM(
+        small=args.small,
+        large=args.large,
+        policy=policy,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        kv_budget_tokens=args.kv_budget,
+        timeout=args.timeout,
+    )
+    uvicorn.run(create_app(llm, args.model_name), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -130,6 +152,24 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--problems", type=int, default=5, help="how many test problems (default 5)")
     demo.add_argument("--seed", type=int, default=0, help="which test problems (default 0)")
     demo.set_defaults(func=cmd_demo)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    serve.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    serve.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="default policy (default: ead)")
+    serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
+    serve.add_argument("--window", type=int, default=5)
+    serve.add_argument("--min-dwell", type=int, default=10)
+    serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
+    serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions reserved at once")
+    serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take")
+    serve.add_argument("--model-name", default=None, help="model id clients use (default: ead-llm/<pair>)")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -24,7 +24,7 @@ from ead_llm.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.loading import LoadConfig, ModelPair
 from ead_llm.ops import entropy_bits
 from ead_llm.policies import Policy, check_policy
-from ead_llm.runner import ForwardRow, ModelCache, ModelRunner
+from ead_llm.runner import ForwardRow, KVPool, ModelCache, ModelRunner
 from ead_llm.sampling import Sampler, SamplingParams, request_generator
 from ead_llm.text import IncrementalDetokenizer, StopMatcher
 from ead_llm.types import FinishReason, ForwardWork, Role, TokenEvent
@@ -251,6 +251,25 @@ class Engine:
                 with self._cond:
                     call.cancelled = True
                     self._cond.notify()
+
+    def set_limits(self, max_batch: int | None = None, kv_budget_tokens: int | None = None) -> None:
+        """Change the scheduler's limits (``None`` keeps one). Only while nothing runs or waits."""
+        if max_batch is not None:
+            check_int("max_batch", max_batch, minimum=1)
+        if kv_budget_tokens is not None:
+            check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
+        with self._cond:
+            if max_batch in (None, self.max_batch) and kv_budget_tokens in (None, self.kv_budget_tokens):
+                return
+            if self._live or self._waiting:
+                raise RuntimeError("the engine's limits can only change while it is idle")
+            if kv_budget_tokens is not None:
+                self.kv_budget_tokens = kv_budget_tokens
+            if max_batch is not None and max_batch != self.max_batch:
+                self.max_batch = max_batch
+                self._free_slots = list(range(max_batch - 1, -1, -1))
+                for runner in self.runners.values():
+                    runner.pool = KVPool(max_batch, self.max_positions)
 
     @property
     def load(self) -> dict[str, int]:

@@ -62,6 +62,8 @@ _STATE_FIELDS = (
     "ignore_eos",
     "timeout",
     "max_retries",
+    "max_batch",
+    "kv_budget_tokens",
     "prompt_format",
     "device",
     "dtype",

@@ -85,6 +85,12 @@ class PairModel(BaseModel):
     prompt_format: PromptFormat | None = None
     """How a conversation becomes the prompt: ``chat`` (the tokenizer's chat template, or a plain
     fallback) or ``text`` (the texts joined raw). None: ``text`` on the embedded pair, else ``chat``."""
+    max_batch: int | None = None
+    """Most sequences the shared engine decodes at once (None: its current setting, 64 by default).
+    Objects sharing a pair share the engine and so its limits."""
+    kv_budget_tokens: int | None = None
+    """Most KV positions (prompt plus max_tokens per sequence) the shared engine reserves at once;
+    requests beyond it wait. None: its current setting (unlimited by default)."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
     device: str | None = None
@@ -144,6 +150,7 @@ class PairModel(BaseModel):
             trust_remote_code=self.trust_remote_code,
         )
         self._engine = shared_engine(config)
+        self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
         if self.policy is None:
             self.policy = EAD()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from ead_llm.engine import Engine
 from ead_llm.loading import LoadConfig, ModelPair, load_pair
 from ead_llm.tiny import build_tiny_pair, byte_bpe_tokenizer
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM: no network fetch in tests
 
 BPE_CORPUS = [
     "The quick brown fox jumps over the lazy dog. 12 + 35 = 47.",

@@ -56,7 +56,9 @@ def test_async_callers_share_the_batch(embedded_engine: Engine) -> None:
 
 def test_max_batch_bounds_the_running_set(llama_pair) -> None:
     engine = Engine(llama_pair, max_batch=2)
-    requests = [Request("12+35=", SmallOnly(), SamplingParams(max_tokens=30, ignore_eos=True, seed=i)) for i in range(5)]
+    requests = [
+        Request("12+35=", SmallOnly(), SamplingParams(max_tokens=30, ignore_eos=True, seed=i)) for i in range(5)
+    ]
     seen: list[int] = []
     done = threading.Event()
 

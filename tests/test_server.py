@@ -1,0 +1,152 @@
+"""`ead-llm serve`: real HTTP on 127.0.0.1, spoken to by httpx, curl, LangChain's ChatOpenAI and DSPy via LiteLLM."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+import dspy
+import httpx
+import pytest
+import uvicorn
+
+from ead_llm import EntropyAdaptiveLLM
+from ead_llm.server import create_app
+from ead_llm.task import problems
+
+PROMPT = problems("test", 1)[0].prompt
+MODEL = "ead-llm/embedded"
+
+
+@pytest.fixture(scope="module")
+def llm() -> EntropyAdaptiveLLM:
+    return EntropyAdaptiveLLM(max_tokens=200)
+
+
+@pytest.fixture(scope="module")
+def url(llm: EntropyAdaptiveLLM) -> Iterator[str]:
+    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_health_and_models(url: str) -> None:
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL and health["running"] == 0
+    models = httpx.get(f"{url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_completions_match_the_library_and_bill_in_usage(url: str, llm: EntropyAdaptiveLLM) -> None:
+    body = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": [PROMPT, "1234+5678-999\n"]}).json()
+    assert [c["text"] for c in body["choices"]] == [llm.invoke(PROMPT), llm.invoke("1234+5678-999\n")]
+    usage = body["usage"]
+    expected = llm.generate([PROMPT, "1234+5678-999\n"]).llm_output["cost"]  # type: ignore[index]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens", "large_tokens", "flops", "switches"):
+        assert usage[key] == expected[key], key
+    sampled = httpx.post(
+        f"{url}/v1/completions", json={"prompt": PROMPT, "n": 3, "temperature": 1.5, "policy": {"policy": "small_only"}}
+    ).json()
+    texts = [c["text"] for c in sampled["choices"]]
+    assert len(set(texts)) > 1 and sampled["usage"]["large_tokens"] == 0
+
+
+def test_streaming_chat_sends_tokens_then_usage(url: str, llm: EntropyAdaptiveLLM) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "stream": True}
+    payload["stream_options"] = {"include_usage": True}
+    chunks = []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=payload) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == llm.invoke(PROMPT)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(chunks) - 1
+    assert {c["ead_model"] for c in chunks if c["choices"]} <= {"S", "L"}
+
+
+def test_langchain_chat_openai_talks_to_it(url: str, llm: EntropyAdaptiveLLM) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", temperature=0, max_retries=0)
+    reply = chat.invoke(PROMPT)
+    assert reply.content == llm.invoke(PROMPT)
+    assert reply.usage_metadata["output_tokens"] == len(llm.get_token_ids(llm.invoke(PROMPT))) + 1  # + EOS
+    assert "".join(str(c.content) for c in chat.stream(PROMPT)) == reply.content
+
+
+def test_dspy_through_litellm_talks_to_it(url: str, llm: EntropyAdaptiveLLM) -> None:
+    remote = dspy.LM(f"openai/{MODEL}", api_base=f"{url}/v1", api_key="unused", engine="litellm", cache=False)
+    assert remote(PROMPT, temperature=0.0) == [llm.invoke(PROMPT)]
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl(url: str, llm: EntropyAdaptiveLLM) -> None:
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 20})
+    done = subprocess.run(
+        ["curl", "-s", "-X", "POST", f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    reply = json.loads(done.stdout)
+    assert reply["choices"][0]["text"] == llm.invoke(PROMPT, max_tokens=20)
+    assert reply["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "status", "needle"),
+    [
+        ("/v1/completions", {"model": "gpt-4o", "prompt": "1"}, 404, "not served here"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "tools": [{"x": 1}]}, 400, "tools"),
+        ("/v1/completions", {"prompt": "1", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "1", "policy": {"policy": "ead", "threshold": -2}}, 400, "threshold"),
+        ("/v1/completions", {"prompt": "1", "n": 0}, 400, "n must be"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ],
+)
+def test_bad_requests_get_clear_errors(url: str, path: str, payload: dict, status: int, needle: str) -> None:
+    response = httpx.post(f"{url}{path}", json=payload)
+    assert response.status_code == status
+    assert needle in response.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").json()["running"] == 0
+
+
+def test_the_serve_command_starts_a_server(tmp_path) -> None:
+    import socket
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "ead_llm.cli", "serve", "--port", str(port), "--max-batch", "8"]
+    command += ["--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        else:
+            pytest.fail(f"server did not start: {process.stderr.read() if process.stderr else ''}")
+        assert health["status"] == "ok" and health["model"] == MODEL
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": PROMPT}, timeout=60).json()
+        assert reply["choices"][0]["text"] == EntropyAdaptiveLLM(max_tokens=256).invoke(PROMPT)
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
