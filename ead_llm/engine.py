@@ -269,7 +269,7 @@ class Engine:
                 self.max_batch = max_batch
                 self._free_slots = list(range(max_batch - 1, -1, -1))
                 for runner in self.runners.values():
-                    runner.pool = KVPool(max_batch, self.max_positions)
+                    runner.pool = KVPool(max_batch, self.max_positions, runner.pool.layers)
 
     @property
     def load(self) -> dict[str, int]:
@@ -322,10 +322,14 @@ class Engine:
             self._live.append(seq)
 
     def _step(self, live: list[_Sequence]) -> None:
-        groups: dict[Role, list[_Sequence]] = {}
+        # one pass per (model, kind): decodes feed one token a row, catch-ups (prefill, or the gap after
+        # a switch) several, so a catch-up never pads every decode row to its width
+        groups: dict[tuple[Role, bool], list[_Sequence]] = {}
         for seq in live:
-            groups.setdefault(seq.policy.choose(seq.state), []).append(seq)
-        for role, group in sorted(groups.items(), key=lambda item: item[0].value):
+            role = seq.policy.choose(seq.state)
+            catch_up = len(seq.tokens) - seq.caches[role].seen > 1
+            groups.setdefault((role, catch_up), []).append(seq)
+        for (role, _), group in sorted(groups.items(), key=lambda item: (item[0][0].value, item[0][1])):
             try:
                 rows = [ForwardRow(seq.slot, seq.caches[role], seq.tokens) for seq in group]
                 logits, work = self.runners[role].forward(rows)  # logits: [B, V]

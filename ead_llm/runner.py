@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -29,9 +30,10 @@ MIN_CAPACITY = 64
 class KVPool:
     """One model's keys and values for every sequence slot (allocated on first write)."""
 
-    def __init__(self, slots: int, max_positions: int | None) -> None:
+    def __init__(self, slots: int, max_positions: int | None, layers: int) -> None:
         self.slots = check_int("slots", slots, minimum=1)
         self.max_positions = max_positions
+        self.layers = layers
         self.keys: list[torch.Tensor] = []  # per layer: [S, H, C, D]
         self.values: list[torch.Tensor] = []
 
@@ -42,48 +44,85 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
-    def _ensure(self, needed: int, like: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Grow every slot to hold ``needed`` positions (doubling), allocating from ``like``'s shapes."""
-        if needed <= self.capacity:
-            return
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, index: WriteIndex) -> None:
+        """Store the real new positions of ``keys``/``values`` (``[B, H, N, D]``) of one layer."""
+        if not self.keys:
+            self._allocate(keys, values, index.needed)
+        elif layer == 0:
+            self._grow(index.needed)
+        self.keys[layer][index.slots, :, index.positions] = keys[index.rows, :, index.cols]
+        self.values[layer][index.slots, :, index.positions] = values[index.rows, :, index.cols]
+
+    def read(
+        self, layer: int, rows: torch.Tensor, span: slice | None, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, length, D]`` of one layer for the group's slots: a view when the
+        slots are one ascending run (``span``), else a gathered copy."""
+        k, v = self.keys[layer], self.values[layer]
+        if span is not None:
+            return k[span, :, :length], v[span, :, :length]
+        return k[rows, :, :length], v[rows, :, :length]
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
+        layers = self.layers
+        capacity = self._capacity_for(needed)
+        k_shape = (self.slots, keys.shape[1], capacity, keys.shape[3])
+        v_shape = (self.slots, values.shape[1], capacity, values.shape[3])
+        self.keys = [torch.zeros(k_shape, dtype=keys.dtype, device=keys.device) for _ in range(layers)]
+        self.values = [torch.zeros(v_shape, dtype=values.dtype, device=values.device) for _ in range(layers)]
+
+    def _capacity_for(self, needed: int) -> int:
         capacity = max(MIN_CAPACITY, self.capacity)
         while capacity < needed:
             capacity *= 2
         if self.max_positions is not None:
             capacity = max(needed, min(capacity, self.max_positions))
-        grown_keys, grown_values = [], []
-        for layer, (k, v) in enumerate(like):
-            shape = (self.slots, k.shape[1], capacity, k.shape[3])
-            new_k = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            new_v = torch.zeros((self.slots, v.shape[1], capacity, v.shape[3]), dtype=v.dtype, device=v.device)
-            if self.keys:
-                new_k[:, :, : self.capacity] = self.keys[layer]
-                new_v[:, :, : self.capacity] = self.values[layer]
-            grown_keys.append(new_k)
-            grown_values.append(new_v)
-        self.keys, self.values = grown_keys, grown_values
+        return capacity
 
-    def gather(self, slots: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, keys and values of ``slots`` up to ``length``: ``[B, H, length, D]`` copies."""
-        return [(k[slots, :, :length], v[slots, :, :length]) for k, v in zip(self.keys, self.values, strict=True)]
+    def _grow(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        capacity = self._capacity_for(needed)
+        for tensors in (self.keys, self.values):
+            for layer, old in enumerate(tensors):
+                grown = torch.zeros((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+                grown[:, :, : old.shape[2]] = old
+                tensors[layer] = grown
 
-    def write(
-        self,
-        slots: torch.Tensor,
-        starts: torch.Tensor,
-        counts: torch.Tensor,
-        new: list[tuple[torch.Tensor, torch.Tensor]],
-    ) -> None:
-        """Store row ``i``'s first ``counts[i]`` new positions of ``new`` (per layer ``[B, H, N, D]``)
-        in slot ``slots[i]`` from position ``starts[i]``."""
-        self._ensure(int((starts + counts).max()), new)
-        width = new[0][0].shape[2]
-        offsets = torch.arange(width, device=counts.device)
-        rows, cols = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)  # the real new positions
-        target_slots, target_positions = slots[rows], starts[rows] + cols
-        for layer, (k, v) in enumerate(new):
-            self.keys[layer][target_slots, :, target_positions] = k[rows, :, cols]
-            self.values[layer][target_slots, :, target_positions] = v[rows, :, cols]
+
+@dataclass(frozen=True)
+class WriteIndex:
+    """Where a forward pass's real new positions go: row ``rows[k]``'s column ``cols[k]`` is stored
+    in slot ``slots[k]`` at position ``positions[k]``."""
+
+    rows: torch.Tensor
+    cols: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    needed: int
+    """Positions every slot must hold after the write."""
+
+
+class PoolCache(DynamicCache):
+    """The cache a model sees for one batched pass: writes go to the pool, reads come from it.
+
+    ``update`` stores the layer's new keys and values at each row's true positions and returns the
+    group's keys and values up to the longest row; the 4D mask (built by the runner from true
+    positions) hides what a row must not see. Nothing is concatenated.
+    """
+
+    def __init__(self, pool: KVPool, rows: torch.Tensor, span: slice | None, index: WriteIndex, length: int) -> None:
+        super().__init__()
+        self.pool, self.rows, self.span, self.index, self.length = pool, rows, span, index, length
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.pool.write(layer_idx, key_states, value_states, self.index)
+        return self.pool.read(layer_idx, self.rows, self.span, self.length)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
 
 
 class ModelCache:
@@ -120,51 +159,52 @@ class ModelRunner:
         self.model = loaded.model
         self.device = device
         self.vocab_size = vocab_size
-        self.pool = KVPool(slots, max_positions)
+        self.pool = KVPool(slots, max_positions, self.model.config.num_hidden_layers)
+        self._dtype: torch.dtype = getattr(self.model, "dtype", torch.float32)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
-    def _cache(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None) -> DynamicCache:
-        try:
-            return DynamicCache(ddp_cache_data=past, config=self.model.config)
-        except TypeError:
-            return DynamicCache(ddp_cache_data=past)
-
     def forward(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[ForwardWork]]:
-        """Next-token logits [B, V] (float32, on the model's device) and the work done per row."""
+        """Next-token logits [B, V] (float32, on the model's device, in ``rows`` order) and the work per row."""
         news = [list(row.tokens[row.cache.seen :]) for row in rows]
         if any(not new for new in news):
             raise RuntimeError("the runner was asked for logits with no new token to feed")
-        seen = [row.cache.seen for row in rows]
-        batch, past_len, width = len(rows), max(seen), max(len(new) for new in news)
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # slot order: a run of slots is a view
         device = self.device
-        slots = torch.tensor([row.slot for row in rows], dtype=torch.long, device=device)  # [B]
-        starts = torch.tensor(seen, dtype=torch.long, device=device)  # [B]
-        counts = torch.tensor([len(new) for new in news], dtype=torch.long, device=device)  # [B]
+        batch, width = len(rows), max(len(new) for new in news)
+        slot_list = [rows[i].slot for i in order]
+        slots = torch.tensor(slot_list, dtype=torch.long, device=device)  # [B]
+        starts = torch.tensor([rows[i].cache.seen for i in order], dtype=torch.long, device=device)  # [B]
+        counts = torch.tensor([len(news[i]) for i in order], dtype=torch.long, device=device)  # [B]
         input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)  # [B, N], right-padded
-        for i, new in enumerate(news):
-            input_ids[i, : len(new)] = torch.tensor(new, dtype=torch.long)
+        for b, i in enumerate(order):
+            input_ids[b, : len(news[i])] = torch.tensor(news[i], dtype=torch.long)
         offsets = torch.arange(width, device=device)
-        # pads repeat the row's last real position (a valid position id; their outputs are ignored)
-        position_ids = starts[:, None] + torch.minimum(offsets[None, :], counts[:, None] - 1)  # [B, N]
-        past_mask = torch.arange(past_len, device=device)[None, :] < starts[:, None]  # [B, P]
-        # every new position is attendable: causality keeps real tokens off the later pads
-        attention_mask = torch.cat([past_mask, torch.ones((batch, width), dtype=torch.bool, device=device)], dim=1)
-        cache = self._cache(self.pool.gather(slots, past_len) if past_len else None)
+        # a pad repeats its row's last real position: a valid position id, and it sees what that token sees
+        last_visible = starts[:, None] + torch.minimum(offsets[None, :], counts[:, None] - 1)  # [B, N]
+        length = int((starts + counts).max())
+        keys = torch.arange(length, device=device)
+        visible = keys[None, None, :] <= last_visible[:, :, None]  # [B, N, L]: true positions, causal
+        mask = torch.zeros((batch, 1, width, length), dtype=self._dtype, device=device)  # additive
+        mask.masked_fill_(~visible[:, None], torch.finfo(self._dtype).min)
+        rows_idx, cols_idx = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
+        index = WriteIndex(rows_idx, cols_idx, slots[rows_idx], starts[rows_idx] + cols_idx, length)
+        span = slice(slot_list[0], slot_list[0] + batch) if slot_list[-1] - slot_list[0] == batch - 1 else None
+        cache = PoolCache(self.pool, slots, span, index, length)
         out = self.model(
             input_ids=input_ids,
-            attention_mask=attention_mask.long(),
-            position_ids=position_ids,
-            cache_position=torch.arange(past_len, past_len + width, device=device),
+            attention_mask=mask,
+            position_ids=last_visible,
+            cache_position=torch.arange(length - width, length, device=device),
             use_cache=True,
             logits_to_keep=width,
             **{self._cache_kwarg: cache},
         )
-        new_kv = [(layer.keys[:, :, past_len:], layer.values[:, :, past_len:]) for layer in cache.layers]  # type: ignore[union-attr,index]
-        self.pool.write(slots, starts, counts, new_kv)
-        logits = out.logits[torch.arange(batch, device=device), counts - 1, : self.vocab_size].float()  # [B, V]
+        picked = out.logits[torch.arange(batch, device=device), counts - 1, : self.vocab_size].float()  # [B, V]
+        logits = torch.empty_like(picked)
+        logits[torch.tensor(order, device=device)] = picked
         work = []
-        for row, past, new in zip(rows, seen, news, strict=True):
-            row.cache.seen = past + len(new)
-            work.append(ForwardWork(self.role, len(new), past))
+        for row, new in zip(rows, news, strict=True):
+            work.append(ForwardWork(self.role, len(new), row.cache.seen))
+            row.cache.seen += len(new)
         return logits, work

@@ -41,16 +41,17 @@ class ScriptedModel(torch.nn.Module):
         logits_to_keep: int = 0,
     ):
         batch, width = input_ids.shape
-        keys, _ = cache.update(input_ids[:, None, :, None].float(), input_ids[:, None, :, None].float(), 0)
-        past_len = keys.shape[2] - width
+        as_keys = input_ids[:, None, :, None].float()
+        keys, _ = cache.update(as_keys, as_keys, 0)  # [B, 1, L, 1], stored at true positions
         self.batches.append(batch)
         out = []
         for b in range(batch):
-            past = keys[b, 0, :past_len, 0][attention_mask[b, :past_len].bool()].long().tolist()
             count = int((position_ids[b] - position_ids[b, 0]).max()) + 1  # pads repeat the last position
-            new = input_ids[b, :count].tolist()
+            visible = attention_mask[b, 0, count - 1] == 0  # what the last real token may attend to
+            history = keys[b, 0, visible, 0].long().tolist()
+            past, new = history[:-count], history[-count:]
+            assert new == input_ids[b, :count].tolist()
             self.calls.append(new)
-            history = past + new
             rows = [self.logits_fn(len(past) + i + 1, history[: len(past) + i + 1]) for i in range(count)]
             rows += [rows[-1]] * (width - count)
             out.append(torch.stack(rows))
