@@ -220,15 +220,19 @@ class Engine:
             caches={role: ModelCache() for role in Role},
         )
 
-    def stream(self, requests: Sequence[Request]) -> Generator[TokenEvent, None, None]:
+    def stream(self, requests: Sequence[Request], timeout_s: float | None = None) -> Generator[TokenEvent, None, None]:
         """Yield one event per generated token of every request, interleaved across requests.
 
         Requests are checked (and prompts encoded) before anything is queued. Closing the iterator
-        early cancels the requests and frees their caches.
+        early cancels the requests and frees their caches; so does ``timeout_s`` (seconds from the
+        call, waiting included), which then raises ``TimeoutError``.
         """
         _check_requests(requests)
+        if timeout_s is not None:
+            check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
         if not requests:
             return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         call = _Call()
         sequences = [self._sequence(call, i, r) for i, r in enumerate(requests)]
         with self._cond:
@@ -240,7 +244,12 @@ class Engine:
         remaining = len(sequences)
         try:
             while remaining:
-                item = call.queue.get()
+                try:
+                    item = call.queue.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(
+                        f"the call took longer than {timeout_s} s: raise the timeout or lower max_tokens"
+                    ) from None
                 if isinstance(item, BaseException):
                     raise item
                 if item.finish_reason is not None:
@@ -386,27 +395,16 @@ class Engine:
         its sequences' caches are freed.
         """
         _check_requests(requests)
-        if timeout_s is not None:
-            check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
         start = time.perf_counter()
         info = (self.pair.small.info, self.pair.large.info)
         ledgers = [CompletionLedger(*info, len(self.encode(r.prompt)), pricing) for r in requests]
         events: list[list[TokenEvent]] = [[] for _ in requests]
         done: dict[int, float] = {}
-        stream = self.stream(requests)
-        try:
-            for event in stream:
-                ledgers[event.index].record(event)
-                events[event.index].append(event)
-                elapsed = time.perf_counter() - start
-                if event.finish_reason is not None:
-                    done[event.index] = elapsed
-                elif timeout_s is not None and elapsed > timeout_s:
-                    raise TimeoutError(
-                        f"the call took longer than {timeout_s} s: raise the timeout or lower max_tokens"
-                    )
-        finally:
-            stream.close()
+        for event in self.stream(requests, timeout_s):
+            ledgers[event.index].record(event)
+            events[event.index].append(event)
+            if event.finish_reason is not None:
+                done[event.index] = time.perf_counter() - start
         return [self._completion(i, events[i], ledgers[i].cost(done[i])) for i in range(len(requests))]
 
     @staticmethod

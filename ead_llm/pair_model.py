@@ -249,15 +249,11 @@ class PairModel(BaseModel):
         pair = engine.pair
         ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.encode(request.prompt)), self.pricing)
         start = time.perf_counter()
-        stream = engine.stream([request])
+        stream = engine.stream([request], self.timeout)
         try:
             for event in stream:
                 ledger.record(event)
                 if event.finish_reason is None:
-                    if self.timeout is not None and time.perf_counter() - start > self.timeout:
-                        raise TimeoutError(
-                            f"the call took longer than timeout={self.timeout} s: raise it or lower max_tokens"
-                        )
                     yield event, None
                 else:
                     cost = ledger.cost(time.perf_counter() - start)

@@ -135,3 +135,22 @@ def test_a_failing_forward_fails_only_its_callers(llama_pair, monkeypatch: pytes
     monkeypatch.undo()
     assert engine.generate([small_request])[0].token_ids == expected
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_a_timeout_counts_the_wait_and_frees_the_queue(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=1)
+    long = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=400, ignore_eos=True))
+    runner = threading.Thread(target=engine.generate, args=([long],))
+    runner.start()
+    while engine.load["running"] == 0:
+        time.sleep(0.001)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"0\.2 s"):
+        engine.generate([Request("1", SmallOnly(), SamplingParams(max_tokens=5))], timeout_s=0.2)
+    assert time.monotonic() - started < 2.0  # it did not wait for the long request to finish
+    runner.join()
+    for _ in range(200):
+        if engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}:
+            break
+        time.sleep(0.01)
+    assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
