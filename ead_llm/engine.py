@@ -10,9 +10,11 @@ the framework adapters all consume that one stream.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,13 @@ from ead_llm.types import FinishReason, ForwardWork, Role, TokenEvent
 from ead_llm.validation import check_float, check_int
 
 Prompt = str | Sequence[int]
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_engines() -> None:
+    for engine in list(_ENGINES):
+        engine.close()
 
 
 @dataclass(frozen=True)
@@ -151,6 +160,8 @@ class Engine:
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self._reserved = 0
         self._thread: threading.Thread | None = None
+        self._closing = False
+        _ENGINES.add(self)
 
     def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
         """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
@@ -280,6 +291,24 @@ class Engine:
                 for runner in self.runners.values():
                     runner.pool = KVPool(max_batch, self.max_positions, runner.pool.layers)
 
+    def close(self) -> None:
+        """Stop the scheduler thread (cancelling whatever runs or waits); called at interpreter exit.
+
+        Stopping it then, rather than leaving a daemon thread inside torch while the interpreter
+        tears down, avoids an abort at exit. A later call starts the thread again.
+        """
+        with self._cond:
+            thread, self._closing = self._thread, True
+            for seq in [*self._live, *self._waiting]:
+                if not seq.call.failed:
+                    seq.call.failed = True
+                    seq.call.queue.put(RuntimeError("the engine was closed"))
+            self._cond.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=30)
+        with self._cond:
+            self._thread, self._closing = None, False
+
     @property
     def load(self) -> dict[str, int]:
         """Sequences running and waiting, and the KV positions reserved by the running ones."""
@@ -294,10 +323,12 @@ class Engine:
                 with self._cond:
                     self._drop_cancelled()
                     self._admit()
-                    while not self._live:
+                    while not self._live and not self._closing:
                         self._cond.wait()
                         self._drop_cancelled()
                         self._admit()
+                    if self._closing:
+                        return
                     live = list(self._live)
                 self._step(live)
                 with self._cond:

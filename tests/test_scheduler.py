@@ -154,3 +154,13 @@ def test_a_timeout_counts_the_wait_and_frees_the_queue(llama_pair) -> None:
             break
         time.sleep(0.01)
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_close_stops_the_scheduler_and_a_later_call_restarts_it(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=2)
+    request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=5, ignore_eos=True))
+    first = engine.generate([request])[0].token_ids
+    thread = engine._thread
+    engine.close()
+    assert thread is not None and not thread.is_alive() and engine._thread is None
+    assert engine.generate([request])[0].token_ids == first
