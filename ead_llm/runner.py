@@ -149,6 +149,19 @@ class ForwardRow:
     """The whole sequence so far (prompt and generated); the model has seen ``cache.seen`` of them."""
 
 
+def check_full_attention(source: str, config: Any) -> None:
+    """Refuse models with sliding-window or linear-attention layers: the pooled cache keeps every
+    position and the runner's mask lets a token see all earlier ones, which those layers must not."""
+    kinds = set(getattr(config, "layer_types", None) or [])
+    if kinds - {"full_attention"}:
+        raise ValueError(
+            f"{source}: layers of kind {sorted(kinds - {'full_attention'})} are not supported "
+            "(ead-llm's KV pool serves full-attention models only)"
+        )
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        raise ValueError(f"{source}: sliding-window attention is not supported (ead-llm serves full-attention models)")
+
+
 class ModelRunner:
     """Runs one model of the pair over a group of sequences in one batched forward pass."""
 
@@ -157,6 +170,7 @@ class ModelRunner:
     ) -> None:
         self.role: Role = loaded.role
         self.model = loaded.model
+        check_full_attention(loaded.info.source, self.model.config)
         self.device = device
         self.vocab_size = vocab_size
         self.pool = KVPool(slots, max_positions, self.model.config.num_hidden_layers)

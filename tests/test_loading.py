@@ -119,3 +119,21 @@ def test_default_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     assert config.resolved_device().type == "cuda" and config.resolved_dtype() == torch.bfloat16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
     assert config.resolved_dtype() == torch.float32
+
+
+def test_sliding_window_models_are_refused_with_a_reason() -> None:
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    from ead_llm.runner import check_full_attention
+
+    for config in (
+        LlamaConfig(),
+        GPT2Config(),
+        Qwen2Config(use_sliding_window=False),
+        MistralConfig(sliding_window=None),
+    ):
+        check_full_attention("ok", config)
+    with pytest.raises(ValueError, match="sliding"):
+        check_full_attention("mistral-0.1", MistralConfig(sliding_window=4096))
+    with pytest.raises(ValueError, match="sliding_attention"):
+        check_full_attention("hybrid", Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1))
