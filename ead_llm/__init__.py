@@ -8,6 +8,7 @@ from ead_llm.llm import EntropyAdaptiveLLM
 from ead_llm.loading import LoadConfig, ModelPair, load_pair
 from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
 from ead_llm.sampling import SamplingParams
+from ead_llm.speculative import EASD, SpeculativeDecoding
 from ead_llm.tracking import CostTracker, track_cost
 from ead_llm.types import FinishReason, Role, TokenEvent
 
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EAD",
+    "EASD",
     "ChatEntropyAdaptive",
     "Completion",
     "CompletionAdapter",
@@ -32,6 +34,7 @@ __all__ = [
     "Role",
     "SamplingParams",
     "SmallOnly",
+    "SpeculativeDecoding",
     "TokenEvent",
     "load_pair",
     "track_cost",

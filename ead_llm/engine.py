@@ -28,6 +28,7 @@ from ead_llm.ops import entropy_bits
 from ead_llm.policies import Policy, check_policy
 from ead_llm.runner import ForwardRow, KVPool, ModelCache, ModelRunner
 from ead_llm.sampling import Sampler, SamplingParams, request_generator
+from ead_llm.speculative import SpeculativeDecoding
 from ead_llm.text import IncrementalDetokenizer, StopMatcher
 from ead_llm.types import FinishReason, ForwardWork, Role, TokenEvent
 from ead_llm.validation import check_float, check_int
@@ -111,6 +112,10 @@ class _Sequence:
     slot: int = -1
     generated: int = 0
     finished: bool = False
+    drafts: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """A speculative round's drafts so far, with the small model's logits each was drawn from."""
+    pending_work: list[ForwardWork] = field(default_factory=list)
+    """Forward passes of the round's drafts, charged to the round's first emitted token."""
 
     def release(self) -> None:
         for cache in self.caches.values():
@@ -363,21 +368,38 @@ class Engine:
 
     def _step(self, live: list[_Sequence]) -> None:
         # one pass per (model, kind): decodes feed one token a row, catch-ups (prefill, or the gap after
-        # a switch) several, so a catch-up never pads every decode row to its width
-        groups: dict[tuple[Role, bool], list[_Sequence]] = {}
+        # a switch) several, so a catch-up never pads every decode row to its width; verifications
+        # (speculative rounds) need logits at every new position
+        groups: dict[tuple[Role, str], list[_Sequence]] = {}
         for seq in live:
+            speculative = isinstance(seq.policy, SpeculativeDecoding)
+            if speculative and not seq.drafts:
+                seq.state = seq.policy.begin_round(seq.state, self._draft_budget(seq))  # type: ignore[attr-defined]
             role = seq.policy.choose(seq.state)
-            catch_up = len(seq.tokens) - seq.caches[role].seen > 1
-            groups.setdefault((role, catch_up), []).append(seq)
-        for (role, _), group in sorted(groups.items(), key=lambda item: (item[0][0].value, item[0][1])):
+            if speculative and role is Role.LARGE:
+                kind = "verify"
+            else:
+                kind = "catch-up" if len(seq.tokens) - seq.caches[role].seen > 1 else "decode"
+            groups.setdefault((role, kind), []).append(seq)
+        for (role, kind), group in sorted(groups.items(), key=lambda item: (item[0][0].value, item[0][1])):
             try:
                 rows = [ForwardRow(seq.slot, seq.caches[role], seq.tokens) for seq in group]
+                if kind == "verify":
+                    per_row, work = self.runners[role].forward_all(rows)
+                    for seq, row_logits, row_work in zip(group, per_row, work, strict=True):
+                        self._verify(seq, row_logits, row_work)
+                    continue
                 logits, work = self.runners[role].forward(rows)  # logits: [B, V]
                 entropies = entropy_bits(logits).tolist()  # [B]
                 for seq, row_logits, row_work, entropy in zip(group, logits, work, entropies, strict=True):
                     token = self.sampler.sample(row_logits, seq.params, seq.generator)
                     seq.state = seq.policy.advance(seq.state, role, entropy)
-                    seq.call.queue.put(self._emit(seq, token, role, entropy, (row_work,)))
+                    if isinstance(seq.policy, SpeculativeDecoding):
+                        seq.tokens.append(token)  # a draft: emitted only if verification keeps it
+                        seq.drafts.append((token, row_logits))
+                        seq.pending_work.append(row_work)
+                    else:
+                        seq.call.queue.put(self._emit(seq, token, role, entropy, (row_work,)))
             except Exception as exc:  # fail the callers in this group; everyone else carries on
                 for seq in group:
                     seq.finished = True
@@ -385,8 +407,53 @@ class Engine:
                         seq.call.failed = True
                         seq.call.queue.put(exc)
 
+    def _draft_budget(self, seq: _Sequence) -> int:
+        """Drafts a round may make so that the round's tokens fit max_tokens and the context."""
+        budget = seq.params.max_tokens - seq.generated - 1
+        if self.max_positions is not None:
+            budget = min(budget, self.max_positions - len(seq.tokens) - 1)
+        return max(0, budget)
+
+    def _verify(self, seq: _Sequence, large_logits: torch.Tensor, work: ForwardWork) -> None:
+        """Judge a speculative round, roll both caches back to what stands, emit the round's tokens."""
+        policy = seq.policy
+        assert isinstance(policy, SpeculativeDecoding)
+        drafts = [token for token, _ in seq.drafts]
+        gamma = len(drafts)
+        verify_logits = large_logits[-(gamma + 1) :]  # [gamma + 1, V]
+        small_logits = torch.stack([logits for _, logits in seq.drafts]) if drafts else verify_logits[:0]  # [gamma, V]
+        verdict = policy.judge(drafts, small_logits, verify_logits, seq.params, seq.generator)
+        prefix = len(seq.tokens) - gamma
+        del seq.tokens[prefix:]
+        seq.caches[Role.LARGE].seen = prefix + verdict.accepted
+        seq.caches[Role.SMALL].seen = min(seq.caches[Role.SMALL].seen, prefix + verdict.accepted)
+        seq.state = policy.end_round(seq.state, gamma, verdict.accepted)
+        round_work = (*seq.pending_work, work)
+        counters = (
+            ("drafted_tokens", gamma),
+            ("accepted_tokens", verdict.accepted),
+            ("entropy_rejections", verdict.entropy_rejections),
+        )
+        seq.drafts, seq.pending_work = [], []
+        small_h = entropy_bits(small_logits).tolist() if drafts else []
+        large_h = entropy_bits(verify_logits).tolist()
+        emitted = [(token, Role.SMALL, small_h[i]) for i, token in enumerate(drafts[: verdict.accepted])]
+        emitted.append((verdict.token, Role.LARGE, large_h[verdict.accepted]))
+        for i, (token, role, entropy) in enumerate(emitted):
+            first = i == 0
+            event = self._emit(seq, token, role, entropy, round_work if first else (), counters if first else ())
+            seq.call.queue.put(event)
+            if seq.finished:
+                return
+
     def _emit(
-        self, seq: _Sequence, token: int, role: Role, entropy: float, work: tuple[ForwardWork, ...]
+        self,
+        seq: _Sequence,
+        token: int,
+        role: Role,
+        entropy: float,
+        work: tuple[ForwardWork, ...],
+        counters: tuple[tuple[str, int], ...] = (),
     ) -> TokenEvent:
         seq.tokens.append(token)
         seq.generated += 1
@@ -415,6 +482,7 @@ class Engine:
             entropy=entropy,
             work=work,
             finish_reason=finish,
+            counters=counters,
         )
 
     def generate(

@@ -80,12 +80,14 @@ class Cost:
         if self.cost_usd is not None:
             out["cost_usd"] = self.cost_usd
         out.update(self.extra)
+        if self.extra.get("drafted_tokens"):
+            out["acceptance_rate"] = self.extra.get("accepted_tokens", 0) / self.extra["drafted_tokens"]
         return out
 
     @staticmethod
     def from_dict(cost: dict[str, Any], *, small_params: int, large_params: int) -> Cost:
         """Inverse of :meth:`to_dict` (the derived keys are recomputed, policy counters kept)."""
-        derived = {"total_tokens", "large_fraction", "parameter_ratio"}
+        derived = {"total_tokens", "large_fraction", "parameter_ratio", "acceptance_rate"}
         names = {f.name for f in fields(Cost)} - {"small_params", "large_params", "extra"}
         return Cost(
             **{k: cost[k] for k in names if k in cost},
@@ -134,8 +136,11 @@ class CompletionLedger:
         self._flops = 0
         self._switches = 0
         self._last: Role | None = None
+        self._counters: dict[str, int] = {}
 
     def record(self, event: TokenEvent) -> None:
+        for name, count in event.counters:
+            self._counters[name] = self._counters.get(name, 0) + count
         self._emitted[event.role] += 1
         if self._last is not None and event.role is not self._last:
             self._switches += 1
@@ -168,4 +173,5 @@ class CompletionLedger:
             small_params=self._info[Role.SMALL].params,
             large_params=self._info[Role.LARGE].params,
             cost_usd=usd,
+            extra=dict(self._counters),
         )

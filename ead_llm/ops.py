@@ -111,3 +111,34 @@ def forward_flops(
     context_sum = new_tokens * past_tokens + new_tokens * (new_tokens + 1) // 2
     attention = 4 * num_layers * attention_width * context_sum
     return dense + attention
+
+
+def acceptance_probability(target: torch.Tensor, draft: torch.Tensor, token: int) -> float:
+    """Speculative sampling's ``min(1, p(x) / q(x))`` for draft token ``x`` (``target``, ``draft``: [V] probs)."""
+    q = float(draft[token])
+    return 1.0 if q <= 0.0 else min(1.0, float(target[token]) / q)
+
+
+def residual_probs(target: torch.Tensor, draft: torch.Tensor) -> torch.Tensor:
+    """``norm(max(0, p - q))`` over [V], the distribution to resample from after a rejection.
+
+    When ``p <= q`` everywhere (only possible if p == q up to rounding) it is ``p`` itself."""
+    residual = torch.clamp(target - draft, min=0.0)
+    total = residual.sum()
+    return target if total <= 0 else residual / total
+
+
+def without_token(probs: torch.Tensor, token: int) -> torch.Tensor:
+    """``probs`` [V] with ``token``'s mass set to zero and the rest renormalised (unchanged if nothing is left)."""
+    out = probs.clone()
+    out[token] = 0.0
+    total = out.sum()
+    return probs if total <= 0 else out / total
+
+
+def top_n_overlap(logits_a: torch.Tensor, logits_b: torch.Tensor, n: int) -> float:
+    """``|topN(a) ∩ topN(b)| / n`` for two [V] logit rows."""
+    n = min(n, logits_a.shape[-1])
+    a = set(torch.topk(logits_a, n).indices.tolist())
+    b = set(torch.topk(logits_b, n).indices.tolist())
+    return len(a & b) / n

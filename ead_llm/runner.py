@@ -180,6 +180,12 @@ class ModelRunner:
 
     def forward(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[ForwardWork]]:
         """Next-token logits [B, V] (float32, on the model's device, in ``rows`` order) and the work per row."""
+        per_row, work = self.forward_all(rows)
+        return torch.stack([logits[-1] for logits in per_row]), work
+
+    def forward_all(self, rows: Sequence[ForwardRow]) -> tuple[list[torch.Tensor], list[ForwardWork]]:
+        """Logits at every new position of each row (``[n_i, V]``, in ``rows`` order: what verifying
+        drafts needs) and the work per row."""
         news = [list(row.tokens[row.cache.seen :]) for row in rows]
         if any(not new for new in news):
             raise RuntimeError("the runner was asked for logits with no new token to feed")
@@ -214,11 +220,12 @@ class ModelRunner:
             logits_to_keep=width,
             **{self._cache_kwarg: cache},
         )
-        picked = out.logits[torch.arange(batch, device=device), counts - 1, : self.vocab_size].float()  # [B, V]
-        logits = torch.empty_like(picked)
-        logits[torch.tensor(order, device=device)] = picked
+        sorted_logits = out.logits[:, :, : self.vocab_size].float()  # [B, N, V]
+        per_row: list[torch.Tensor] = [sorted_logits[0, :0]] * batch
+        for b, i in enumerate(order):
+            per_row[i] = sorted_logits[b, : len(news[i])]  # [n_i, V]
         work = []
         for row, new in zip(rows, news, strict=True):
             work.append(ForwardWork(self.role, len(new), row.cache.seen))
             row.cache.seen += len(new)
-        return logits, work
+        return per_row, work

@@ -40,7 +40,9 @@ class TokenEvent:
     for the rest of a UTF-8 character or the stop matcher holds back a possible stop string, and
     the last event of a sequence carries everything still held. Joining the ``text`` of a
     sequence's events gives its completion. ``work`` lists the forward passes run to produce
-    this token (prompt prefill and catch-up included).
+    this token (prompt prefill and catch-up included; for speculative decoding, the first token of
+    a round carries the round's drafts and verification). ``counters`` are policy-specific counts
+    the ledger sums (``drafted_tokens``, ``accepted_tokens``, ``entropy_rejections``).
     """
 
     index: int
@@ -50,3 +52,4 @@ class TokenEvent:
     entropy: float
     work: tuple[ForwardWork, ...]
     finish_reason: FinishReason | None = None
+    counters: tuple[tuple[str, int], ...] = ()

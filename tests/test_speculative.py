@@ -1,0 +1,189 @@
+"""Speculative decoding and EASD: lossless output, rollback, the rejection rule, the bill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ead_llm import EASD, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
+from ead_llm.engine import Engine, Request
+from ead_llm.ops import acceptance_probability, residual_probs, top_n_overlap, without_token
+from ead_llm.sampling import SamplingParams
+from ead_llm.speculative import SpecState
+from ead_llm.task import problems
+from ead_llm.types import Role
+
+from .scripted import scripted_pair
+
+VOCAB = 78  # the scripted pair's char tokenizer
+
+
+def test_rejection_math() -> None:
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    q = torch.tensor([0.25, 0.5, 0.0, 0.25])
+    assert acceptance_probability(p, q, 0) == 1.0
+    assert acceptance_probability(p, q, 1) == pytest.approx(0.6)
+    assert acceptance_probability(p, q, 3) == 0.0
+    assert torch.allclose(residual_probs(p, q), torch.tensor([0.25, 0.0, 0.2, 0.0]) / 0.45)
+    assert torch.equal(residual_probs(p, p), p)
+    assert torch.allclose(without_token(p, 0), torch.tensor([0.0, 0.6, 0.4, 0.0]))
+    a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 5, 2])
+    assert top_n_overlap(a, b, 3) == pytest.approx(2 / 3)  # {0,1,2} vs {3,1,2}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"gamma": 0}, "gamma"),
+        ({"gamma": 8, "max_gamma": 4}, "max_gamma"),
+        ({"entropy_threshold": -1.0}, "entropy_threshold"),
+        ({"top_n": 0}, "top_n"),
+        ({"overlap_threshold": 1.5}, "overlap_threshold"),
+    ],
+)
+def test_bad_settings_name_the_parameter(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EASD(**kwargs)
+
+
+def test_adaptive_gamma_moves_within_bounds() -> None:
+    policy = SpeculativeDecoding(gamma=2, adaptive_gamma=True, max_gamma=3)
+    state = policy.begin_round(policy.start(), budget=10)
+    assert state == SpecState(gamma=2, drafted=0, next_gamma=2)
+    state = policy.end_round(state, drafted=2, accepted=2)
+    assert state.next_gamma == 3
+    assert policy.end_round(policy.begin_round(state, 10), drafted=3, accepted=3).next_gamma == 3
+    assert policy.end_round(state, drafted=3, accepted=1).next_gamma == 2
+    assert policy.begin_round(state, budget=1).gamma == 1
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_greedy_output_equals_large_only_on_tiny_pairs(pair, gamma: int) -> None:
+    engine = Engine(pair)
+    prompts = ["12+35=", "7*8=", "The quick brown", "a", "x=1\ny=", "99+1="]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    large = engine.generate([Request(p, LargeOnly(), params) for p in prompts])
+    for policy in (SpeculativeDecoding(gamma=gamma), SpeculativeDecoding(gamma=gamma, adaptive_gamma=True)):
+        spec = engine.generate([Request(p, policy, params) for p in prompts])
+        assert [c.token_ids for c in spec] == [c.token_ids for c in large]
+        for c in spec:
+            extra = c.cost.extra
+            assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= 0
+            assert c.cost.small_tokens == extra["accepted_tokens"] and c.cost.completion_tokens == 30
+
+
+def test_greedy_output_equals_large_only_on_the_embedded_pair() -> None:
+    llm = EntropyAdaptiveLLM(max_tokens=400)
+    prompts = [p.prompt for p in problems("test", 24)]
+    large = llm.batch(prompts, policy=LargeOnly())
+    for gamma in (2, 4, 8):
+        assert llm.batch(prompts, policy=SpeculativeDecoding(gamma=gamma)) == large
+    assert llm.batch(prompts, policy=EASD(entropy_threshold=math.inf)) == large
+
+
+def _fixed(support: dict[int, float]):
+    logits = torch.full((VOCAB,), -1e4)
+    for token, probability in support.items():
+        logits[token] = math.log(probability)
+    return lambda position, history: logits
+
+
+def test_first_token_follows_the_large_model_distribution() -> None:
+    p_large = {10: 0.5, 11: 0.3, 12: 0.15, 13: 0.05}
+    p_small = {10: 0.2, 11: 0.5, 12: 0.05, 14: 0.25}  # 14 is a token the large model never writes
+    pair, _, _ = scripted_pair(_fixed(p_small), _fixed(p_large))
+    engine = Engine(pair, max_batch=256)
+    runs = 3000
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=11)
+    requests = [Request([1, 5], SpeculativeDecoding(gamma=3), params, sample_index=k) for k in range(runs)]
+    counts = dict.fromkeys(range(VOCAB), 0)
+    for completion in engine.generate(requests):
+        for token in completion.token_ids:
+            counts[token] += 1
+    total = runs * 4
+    chi_square = sum((counts[t] - total * p) ** 2 / (total * p) for t, p in p_large.items())
+    assert counts[14] == 0  # never emitted, though the small model drafts it a quarter of the time
+    assert chi_square < 16.27  # 3 degrees of freedom, p = 0.001
+    tv = 0.5 * sum(abs(counts[t] / total - p) for t, p in p_large.items())
+    assert tv < 0.02
+
+
+def test_easd_with_infinite_threshold_is_speculative_decoding(pair) -> None:
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=25, temperature=0.9, seed=4)
+    prompts = ["12+35=", "The quick", "x"]
+    spec = engine.generate([Request(p, SpeculativeDecoding(gamma=3), params) for p in prompts])
+    easd = engine.generate([Request(p, EASD(entropy_threshold=math.inf, gamma=3), params) for p in prompts])
+    assert [c.token_ids for c in easd] == [c.token_ids for c in spec]
+    assert all(c.cost.extra["entropy_rejections"] == 0 for c in easd)
+
+
+def _uncertain_at(hard: set[int]):
+    """Both models prefer token 10; at ``hard`` positions both are unsure over tokens 10..17 (3 bits),
+    the large model's second choice being 11; elsewhere both are sure."""
+
+    def make(second: int):
+        def logits_fn(position: int, history: list[int]) -> torch.Tensor:
+            logits = torch.full((VOCAB,), -1e4)
+            if position in hard:
+                logits[10:18] = 0.0
+                logits[10] = 0.02
+                logits[second] = 0.01
+            else:
+                logits[10] = 0.0
+            return logits
+
+        return logits_fn
+
+    return scripted_pair(make(12), make(11))
+
+
+def test_the_easd_rule_fires_exactly_on_uncertain_agreement() -> None:
+    hard = {4, 7}  # the 3rd and 6th generated tokens (prompt of two: positions 0-1)
+    pair, small, large = _uncertain_at(hard)
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    (plain,) = engine.generate([Request([1, 5], SpeculativeDecoding(gamma=4), params)])
+    assert plain.token_ids == (10,) * 8 and plain.cost.extra["entropy_rejections"] == 0
+    small.calls.clear()
+    large.calls.clear()
+    (done,) = engine.generate([Request([1, 5], EASD(gamma=4, entropy_threshold=2.0, top_n=8), params)])
+    # at each hard position the draft (10) would stand, but both models are at 3 bits and agree on the
+    # top-8: rejected, and the large model's best other token (11) is written instead
+    assert done.token_ids == (10, 10, 11, 10, 10, 11, 10, 10)
+    assert [r is Role.LARGE for r in done.roles][2] and done.cost.extra["entropy_rejections"] == 2
+    (strict,) = engine.generate([Request([1, 5], EASD(gamma=4, entropy_threshold=3.5, top_n=8), params)])
+    assert strict.cost.extra["entropy_rejections"] == 0  # 3 bits is not above 3.5
+    (apart,) = engine.generate([Request([1, 5], EASD(gamma=4, top_n=2, overlap_threshold=0.5), params)])
+    assert apart.cost.extra["entropy_rejections"] == 0  # top-2 sets {10,12} and {10,11} share only half
+
+
+def test_rejected_drafts_are_billed_and_rolled_back() -> None:
+    hard = {4}
+    pair, small, large = _uncertain_at(hard)
+    engine = Engine(pair)
+    (done,) = engine.generate([Request([1, 5], EASD(gamma=4, top_n=8), SamplingParams(max_tokens=6, ignore_eos=True))])
+    cost = done.cost
+    assert cost.small_processed_tokens == sum(len(c) for c in small.calls)
+    assert cost.large_processed_tokens == sum(len(c) for c in large.calls)
+    # round 1: drafts t1..t4, t3 rejected -> t1 t2 stand, 11 written; the large model read prompt + 4 drafts
+    assert large.calls[0] == [1, 5, 10, 10, 10, 10]
+    # round 2 starts from what stood: the large model re-reads only its own token and the new drafts
+    assert large.calls[1][0] == 11 and len(large.calls[1]) == 1 + cost.extra["drafted_tokens"] - 4
+    assert cost.extra["drafted_tokens"] > cost.extra["accepted_tokens"]
+    assert cost.to_dict()["acceptance_rate"] == pytest.approx(
+        cost.extra["accepted_tokens"] / cost.extra["drafted_tokens"]
+    )
+
+
+def test_policy_overrides_reach_speculative_decoding_through_the_llm() -> None:
+    llm = EntropyAdaptiveLLM(max_tokens=200)
+    prompt = problems("test", 1)[0].prompt
+    result = llm.generate([prompt], policy=SpeculativeDecoding(gamma=4))
+    cost = result.llm_output["cost"]  # type: ignore[index]
+    assert result.generations[0][0].text == llm.invoke(prompt, policy=LargeOnly())
+    assert {"drafted_tokens", "accepted_tokens", "entropy_rejections", "acceptance_rate"} <= set(cost)
+    chunks = list(llm.stream(prompt, policy=EASD()))
+    assert "".join(chunks) == result.generations[0][0].text
