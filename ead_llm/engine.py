@@ -398,6 +398,8 @@ class Engine:
                         seq.tokens.append(token)  # a draft: emitted only if verification keeps it
                         seq.drafts.append((token, row_logits))
                         seq.pending_work.append(row_work)
+                        if token in self.pair.eos_token_ids and not seq.params.ignore_eos:
+                            seq.state = seq.policy.cut_round(seq.state)
                     else:
                         seq.call.queue.put(self._emit(seq, token, role, entropy, (row_work,)))
             except Exception as exc:  # fail the callers in this group; everyone else carries on

@@ -103,6 +103,10 @@ class SpeculativeDecoding(Policy):
         """Start a round drafting at most ``budget`` tokens (what the length limits leave)."""
         return replace(state, gamma=max(0, min(state.next_gamma, budget)), drafted=0)
 
+    def cut_round(self, state: SpecState) -> SpecState:
+        """Stop drafting now (the last draft ends the text: nothing after it could be kept)."""
+        return replace(state, gamma=state.drafted)
+
     def end_round(self, state: SpecState, drafted: int, accepted: int) -> SpecState:
         """Adaptive gamma: grow after a clean sweep, shrink after a rejection."""
         gamma = state.next_gamma

@@ -187,3 +187,24 @@ def test_policy_overrides_reach_speculative_decoding_through_the_llm() -> None:
     assert {"drafted_tokens", "accepted_tokens", "entropy_rejections", "acceptance_rate"} <= set(cost)
     chunks = list(llm.stream(prompt, policy=EASD()))
     assert "".join(chunks) == result.generations[0][0].text
+
+
+def test_drafting_stops_at_an_end_of_text_draft() -> None:
+    eos = 2
+
+    def small_fn(position: int, history: list[int]) -> torch.Tensor:
+        logits = torch.full((VOCAB,), -1e4)
+        logits[eos if position == 4 else 10] = 0.0
+        return logits
+
+    def large_fn(position: int, history: list[int]) -> torch.Tensor:
+        logits = torch.full((VOCAB,), -1e4)
+        logits[10] = 0.0
+        return logits
+
+    pair, _, large = scripted_pair(small_fn, large_fn)
+    assert pair.eos_token_ids == frozenset({eos})
+    (done,) = Engine(pair).generate([Request([1, 5], SpeculativeDecoding(gamma=6), SamplingParams(max_tokens=8))])
+    # the third draft is EOS: the round ends there and is verified (the large model writes 10 instead)
+    assert large.calls[0] == [1, 5, 10, 10, eos]
+    assert done.cost.extra["drafted_tokens"] >= 3 and done.token_ids[:3] == (10, 10, 10)
