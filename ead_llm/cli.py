@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
+from ead_llm.speculative import EASD, SpeculativeDecoding
 
-POLICY_NAMES = ("ead", "small", "large")
+POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -17,6 +18,10 @@ def _policy(args: argparse.Namespace) -> Policy:
         return SmallOnly()
     if args.policy == "large":
         return LargeOnly()
+    if args.policy == "speculative":
+        return SpeculativeDecoding(gamma=args.gamma)
+    if args.policy == "easd":
+        return EASD(gamma=args.gamma, entropy_threshold=args.entropy_threshold)
     return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell)
 
 
@@ -25,6 +30,8 @@ def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threshold", type=float, default=0.25, help="EAD threshold in bits (default 0.25)")
     parser.add_argument("--window", type=int, default=5, help="EAD rolling window in tokens (default 5)")
     parser.add_argument("--min-dwell", type=int, default=10, help="EAD minimum tokens between switches (default 10)")
+    parser.add_argument("--gamma", type=int, default=4, help="speculative/EASD drafts per round (default 4)")
+    parser.add_argument("--entropy-threshold", type=float, default=2.0, help="EASD entropy threshold, bits (default 2)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -163,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
     serve.add_argument("--window", type=int, default=5)
     serve.add_argument("--min-dwell", type=int, default=10)
+    serve.add_argument("--gamma", type=int, default=4)
+    serve.add_argument("--entropy-threshold", type=float, default=2.0)
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
     serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions reserved at once")

@@ -13,7 +13,19 @@ from ead_llm.cli import main
 
 def test_help_lists_commands() -> None:
     out = subprocess.run([sys.executable, "-m", "ead_llm.cli", "--help"], capture_output=True, text=True, check=True)
-    assert "generate" in out.stdout and "demo" in out.stdout
+    assert "generate" in out.stdout and "demo" in out.stdout and "serve" in out.stdout
+
+
+def test_generate_with_speculative_policies(llama_paths, capsys: pytest.CaptureFixture[str]) -> None:
+    small, large = map(str, llama_paths)
+    base = ["generate", "12+35=", "--small", small, "--large", large, "--max-tokens", "8", "--json"]
+    assert main([*base, "--policy", "large"]) == 0
+    reference = json.loads(capsys.readouterr().out)
+    assert main([*base, "--policy", "speculative", "--gamma", "3"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == reference["token_ids"] and spec["cost"]["drafted_tokens"] >= 3
+    assert main([*base, "--policy", "easd", "--entropy-threshold", "-1"]) == 2
+    assert "entropy_threshold must be >= 0" in capsys.readouterr().err
 
 
 def test_generate_json(llama_paths, capsys: pytest.CaptureFixture[str]) -> None:
