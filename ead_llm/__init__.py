@@ -2,6 +2,7 @@
 
 from ead_llm.chat_model import ChatEntropyAdaptive
 from ead_llm.dspy_adapter import CompletionAdapter
+from ead_llm.eager import EAGER
 from ead_llm.engine import Completion, Engine, Request
 from ead_llm.ledger import Cost, Pricing
 from ead_llm.llm import EntropyAdaptiveLLM
@@ -16,6 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "EAD",
+    "EAGER",
     "EASD",
     "ChatEntropyAdaptive",
     "Completion",

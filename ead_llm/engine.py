@@ -17,14 +17,15 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from ead_llm.eager import EAGER
 from ead_llm.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.loading import LoadConfig, ModelPair
-from ead_llm.ops import entropy_bits
+from ead_llm.ops import entropy_bits, top_k_entropy_nats
 from ead_llm.policies import Policy, check_policy
 from ead_llm.runner import ForwardRow, KVPool, ModelCache, ModelRunner
 from ead_llm.sampling import Sampler, SamplingParams, request_generator
@@ -83,15 +84,47 @@ class Completion:
     """Entropy (bits, raw logits) of the distribution each token was drawn from."""
     finish_reason: FinishReason
     cost: Cost
+    path: int = 0
+    """Which path this is (EAGER: the one the vote chose)."""
+    paths: int = 1
+    """How many paths the request ran (EAGER)."""
+    votes: dict[str, int] | None = None
+    """EAGER's vote counts by extracted answer."""
+
+
+_DONE = object()
+"""Put on a call's queue once every path of every request of the call has finished."""
 
 
 @dataclass
 class _Call:
     """One caller's requests: the scheduler puts their events (or a failure) on ``queue``."""
 
-    queue: queue.SimpleQueue[TokenEvent | BaseException] = field(default_factory=queue.SimpleQueue)
+    queue: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
     cancelled: bool = False
     failed: bool = False
+    open: int = 0
+    """Paths not yet finished (requests, plus the paths EAGER branches off); changed by the scheduler."""
+
+
+@dataclass
+class _Group:
+    """The paths of one EAGER request, and what its branching rule needs."""
+
+    policy: EAGER
+    budget: _Budget
+    paths: int = 1
+    branches: int = 0
+    entropies: list[float] = field(default_factory=list)
+    since_branch: int = 0
+
+
+@dataclass
+class _Budget:
+    """A call's EAGER prompts and the paths they hold together."""
+
+    prompts: int = 0
+    paths: int = 0
 
 
 @dataclass
@@ -116,6 +149,9 @@ class _Sequence:
     """A speculative round's drafts so far, with the small model's logits each was drawn from."""
     pending_work: list[ForwardWork] = field(default_factory=list)
     """Forward passes of the round's drafts, charged to the round's first emitted token."""
+    path: int = 0
+    """Which path of its request (EAGER branches; 0 otherwise)."""
+    group: _Group | None = None
 
     def release(self) -> None:
         for cache in self.caches.values():
@@ -219,6 +255,9 @@ class Engine:
                 f"{request.sampling.max_tokens}) but kv_budget_tokens is {self.kv_budget_tokens}: "
                 "lower max_tokens or raise the budget"
             )
+        params = request.sampling
+        if isinstance(request.policy, EAGER):
+            params = replace(params, temperature=request.policy.temperature)
         return _Sequence(
             call=call,
             index=index,
@@ -227,7 +266,7 @@ class Engine:
             reserve=reserve,
             policy=request.policy,
             state=request.policy.start(),
-            params=request.sampling,
+            params=params,
             generator=request_generator(
                 request.sampling.seed, index if request.sample_index is None else request.sample_index
             ),
@@ -251,28 +290,36 @@ class Engine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         call = _Call()
         sequences = [self._sequence(call, i, r) for i, r in enumerate(requests)]
+        call.open = len(sequences)
+        budget = _Budget()
+        for seq in sequences:
+            if isinstance(seq.policy, EAGER):
+                budget.prompts += 1
+                budget.paths += 1
+                seq.group = _Group(seq.policy, budget)
         with self._cond:
             self._waiting.extend(sequences)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ead-llm-engine", daemon=True)
                 self._thread.start()
             self._cond.notify()
-        remaining = len(sequences)
+        done = False
         try:
-            while remaining:
+            while True:
                 try:
                     item = call.queue.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     raise TimeoutError(
                         f"the call took longer than {timeout_s} s: raise the timeout or lower max_tokens"
                     ) from None
+                if item is _DONE:
+                    done = True
+                    return
                 if isinstance(item, BaseException):
                     raise item
-                if item.finish_reason is not None:
-                    remaining -= 1
                 yield item
         finally:
-            if remaining:
+            if not done:
                 with self._cond:
                     call.cancelled = True
                     self._cond.notify()
@@ -337,9 +384,8 @@ class Engine:
                     live = list(self._live)
                 self._step(live)
                 with self._cond:
-                    for seq in live:
-                        if seq.finished:
-                            self._retire(seq)
+                    for seq in [s for s in self._live if s.finished]:
+                        self._retire(seq)
 
     def _retire(self, seq: _Sequence) -> None:
         """Free a running sequence's slot and reservation (call with the condition held)."""
@@ -400,14 +446,90 @@ class Engine:
                         seq.pending_work.append(row_work)
                         if token in self.pair.eos_token_ids and not seq.params.ignore_eos:
                             seq.state = seq.policy.cut_round(seq.state)
+                    elif seq.group is not None:
+                        self._eager_token(seq, token, row_logits, role, entropy, row_work)
                     else:
-                        seq.call.queue.put(self._emit(seq, token, role, entropy, (row_work,)))
+                        self._deliver(seq, self._emit(seq, token, role, entropy, (row_work,)))
             except Exception as exc:  # fail the callers in this group; everyone else carries on
                 for seq in group:
                     seq.finished = True
                     if not seq.call.failed:
                         seq.call.failed = True
                         seq.call.queue.put(exc)
+
+    @staticmethod
+    def _deliver(seq: _Sequence, event: TokenEvent) -> None:
+        """Hand an event to its caller; after a call's last open path finishes, say so."""
+        seq.call.queue.put(event)
+        if event.finish_reason is not None:
+            seq.call.open -= 1
+            if seq.call.open == 0:
+                seq.call.queue.put(_DONE)
+
+    def _eager_token(
+        self, seq: _Sequence, token: int, logits: torch.Tensor, role: Role, entropy: float, work: ForwardWork
+    ) -> None:
+        """Emit an EAGER path's token, first branching a new path off it when the rule says so."""
+        group = seq.group
+        assert group is not None
+        policy = group.policy
+        nats = float(top_k_entropy_nats(logits, policy.top_k))
+        group.since_branch += 1
+        branch = policy.should_branch(
+            nats, group.entropies, group.since_branch, group.paths, group.budget.paths, group.budget.prompts
+        )
+        group.entropies.append(nats)
+        child = None
+        if branch and not seq.finished:
+            first, second = torch.topk(logits, 2).indices.tolist()
+            child = self._spawn(seq)
+            if child is not None:
+                token = first
+                group.paths += 1
+                group.branches += 1
+                group.budget.paths += 1
+                group.since_branch = 0
+        counters = (("paths", 1),) if seq.generated == 0 and seq.path == 0 else ()
+        self._deliver(seq, self._emit(seq, token, role, entropy, (work,), counters))
+        if child is not None:
+            self._deliver(child, self._emit(child, second, role, entropy, (), (("paths", 1), ("branches", 1))))
+
+    def _spawn(self, parent: _Sequence) -> _Sequence | None:
+        """A new path from ``parent``'s prefix (its KV copied into a free slot), or None when none is free."""
+        with self._cond:
+            budget = self.kv_budget_tokens
+            if not self._free_slots or (budget is not None and self._reserved + parent.reserve > budget):
+                return None
+            slot = self._free_slots.pop()
+            self._reserved += parent.reserve
+            caches = {role: ModelCache() for role in Role}
+            for role, cache in caches.items():
+                cache.seen = parent.caches[role].seen
+            assert parent.group is not None
+            child = _Sequence(
+                call=parent.call,
+                index=parent.index,
+                tokens=list(parent.tokens),
+                prompt_len=parent.prompt_len,
+                reserve=parent.reserve,
+                policy=parent.policy,
+                state=parent.state,
+                params=parent.params,
+                generator=torch.Generator().manual_seed(int(torch.randint(2**62, (1,), generator=parent.generator))),
+                detok=parent.detok.clone(),
+                stops=parent.stops.clone(),
+                caches=caches,
+                slot=slot,
+                generated=parent.generated,
+                path=parent.group.paths,
+                group=parent.group,
+            )
+            self._live.append(child)
+            parent.call.open += 1
+        for role, runner in self.runners.items():
+            if runner.pool.keys and caches[role].seen:
+                runner.pool.copy_slot(parent.slot, slot, caches[role].seen)
+        return child
 
     def _draft_budget(self, seq: _Sequence) -> int:
         """Drafts a round may make so that the round's tokens fit max_tokens and the context."""
@@ -444,7 +566,7 @@ class Engine:
         for i, (token, role, entropy) in enumerate(emitted):
             first = i == 0
             event = self._emit(seq, token, role, entropy, round_work if first else (), counters if first else ())
-            seq.call.queue.put(event)
+            self._deliver(seq, event)
             if seq.finished:
                 return
 
@@ -485,6 +607,7 @@ class Engine:
             work=work,
             finish_reason=finish,
             counters=counters,
+            path=seq.path,
         )
 
     def generate(
@@ -498,18 +621,36 @@ class Engine:
         _check_requests(requests)
         start = time.perf_counter()
         info = (self.pair.small.info, self.pair.large.info)
-        ledgers = [CompletionLedger(*info, len(self.encode(r.prompt)), pricing) for r in requests]
-        events: list[list[TokenEvent]] = [[] for _ in requests]
+        prompt_lengths = [len(self.encode(r.prompt)) for r in requests]
+        ledgers: dict[tuple[int, int], CompletionLedger] = {}
+        events: dict[tuple[int, int], list[TokenEvent]] = {}
         done: dict[int, float] = {}
         for event in self.stream(requests, timeout_s):
-            ledgers[event.index].record(event)
-            events[event.index].append(event)
+            key = (event.index, event.path)
+            if key not in ledgers:  # a branched path shares the prompt's prefill: its prompt costs nothing
+                ledgers[key] = CompletionLedger(*info, prompt_lengths[event.index] if event.path == 0 else 0, pricing)
+                events[key] = []
+            ledgers[key].record(event)
+            events[key].append(event)
             if event.finish_reason is not None:
                 done[event.index] = time.perf_counter() - start
-        return [self._completion(i, events[i], ledgers[i].cost(done[i])) for i in range(len(requests))]
+        out = []
+        for i, request in enumerate(requests):
+            paths = sorted(path for index, path in events if index == i)
+            costs = [ledgers[(i, p)].cost(done[i]) for p in paths]
+            cost = costs[0] if len(costs) == 1 else Cost.total(costs, wall_time_s=done[i])
+            if isinstance(request.policy, EAGER):
+                texts = ["".join(e.text for e in events[(i, p)]) for p in paths]
+                chosen, votes = request.policy.vote(texts)
+                out.append(self._completion(i, events[(i, paths[chosen])], cost, votes=votes, paths=len(paths)))
+            else:
+                out.append(self._completion(i, events[(i, 0)], cost))
+        return out
 
     @staticmethod
-    def _completion(index: int, events: list[TokenEvent], cost: Cost) -> Completion:
+    def _completion(
+        index: int, events: list[TokenEvent], cost: Cost, votes: dict[str, int] | None = None, paths: int = 1
+    ) -> Completion:
         finish = events[-1].finish_reason
         assert finish is not None
         return Completion(
@@ -520,4 +661,7 @@ class Engine:
             entropies=tuple(e.entropy for e in events),
             finish_reason=finish,
             cost=cost,
+            path=events[0].path,
+            paths=paths,
+            votes=votes,
         )

@@ -411,14 +411,17 @@ def _chunk_info(role: Role, token_id: int, entropy: float) -> dict[str, Any]:
 
 
 def _generation_info(completion: Completion) -> dict[str, Any]:
-    """``models`` has one letter per token: S (small) or L (large)."""
-    return {
+    """``models`` has one letter per token: S (small) or L (large); EAGER adds its vote."""
+    info: dict[str, Any] = {
         "finish_reason": completion.finish_reason.value,
         "cost": completion.cost.to_dict(),
         "models": "".join(ROLE_LETTER[r] for r in completion.roles),
         "token_ids": list(completion.token_ids),
         "entropies": list(completion.entropies),
     }
+    if completion.votes is not None:
+        info.update(votes=completion.votes, paths=completion.paths, chosen_path=completion.path)
+    return info
 
 
 @contextmanager

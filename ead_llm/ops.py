@@ -142,3 +142,17 @@ def top_n_overlap(logits_a: torch.Tensor, logits_b: torch.Tensor, n: int) -> flo
     a = set(torch.topk(logits_a, n).indices.tolist())
     b = set(torch.topk(logits_b, n).indices.tolist())
     return len(a & b) / n
+
+
+def top_k_entropy_nats(logits: torch.Tensor, k: int = 20) -> torch.Tensor:
+    """Entropy in nats of the top-``k`` probabilities of ``softmax(logits)``, renormalised (EAGER's measure)."""
+    top = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1).values
+    logp = torch.log_softmax(top, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100, linear interpolation) of ``values``; -inf when there are none."""
+    if not values:
+        return -math.inf
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q / 100.0))

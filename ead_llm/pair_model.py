@@ -245,6 +245,10 @@ class PairModel(BaseModel):
 
     def _stream_events(self, request: Request) -> Iterator[tuple[TokenEvent, Cost | None]]:
         """One request's events; the last comes with the completion's cost."""
+        from ead_llm.eager import EAGER
+
+        if isinstance(request.policy, EAGER):
+            raise ValueError("EAGER answers by a vote once every path has finished: use invoke/generate, not stream")
         engine = self._engine
         pair = engine.pair
         ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.encode(request.prompt)), self.pricing)

@@ -53,6 +53,12 @@ class KVPool:
         self.keys[layer][index.slots, :, index.positions] = keys[index.rows, :, index.cols]
         self.values[layer][index.slots, :, index.positions] = values[index.rows, :, index.cols]
 
+    def copy_slot(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` positions of slot ``source`` into slot ``target`` (a branched path)."""
+        for tensors in (self.keys, self.values):
+            for tensor in tensors:
+                tensor[target, :, :length] = tensor[source, :, :length]
+
     def read(
         self, layer: int, rows: torch.Tensor, span: slice | None, length: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,12 @@ class IncrementalDetokenizer:
         assert isinstance(text, str)
         return text
 
+    def clone(self) -> IncrementalDetokenizer:
+        """An independent copy sharing the tokenizer (a branched path continues from the same state)."""
+        twin = IncrementalDetokenizer(self._tokenizer)
+        twin._ids, twin._prefix, twin._read = list(self._ids), self._prefix, self._read
+        return twin
+
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
@@ -102,6 +108,12 @@ class StopMatcher:
         keep = held_suffix(buffer, self._stops)
         self._held = buffer[len(buffer) - keep :]
         return buffer[: len(buffer) - keep]
+
+    def clone(self) -> StopMatcher:
+        """An independent copy (a branched path continues from the same held text)."""
+        twin = StopMatcher(self._stops)
+        twin._held, twin.matched = self._held, self.matched
+        return twin
 
     def flush(self) -> str:
         """Release what is held when the sequence ends without a stop."""

@@ -53,3 +53,5 @@ class TokenEvent:
     work: tuple[ForwardWork, ...]
     finish_reason: FinishReason | None = None
     counters: tuple[tuple[str, int], ...] = ()
+    path: int = 0
+    """Which path of its request wrote the token (EAGER branches; always 0 otherwise)."""

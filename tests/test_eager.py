@@ -1,0 +1,132 @@
+"""EAGER: branching at high-entropy tokens, the path cap and budget, the vote, the bill."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ead_llm import EAD, EAGER, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.engine import Engine, Request
+from ead_llm.ops import percentile, top_k_entropy_nats
+from ead_llm.sampling import SamplingParams
+from ead_llm.task import problems
+
+from .scripted import scripted_pair
+
+VOCAB = 78
+N = 10  # tokens per path (EOS ignored)
+
+
+def _pair(hard_for: dict[int, set[int]]):
+    """The large model is sure of token 10, except at generated indices ``hard_for[prompt's 2nd id]``,
+    where it spreads over tokens 10..17 (top-1 10, top-2 11; about ln 8 nats)."""
+
+    def large_fn(position: int, history: list[int]) -> torch.Tensor:
+        logits = torch.full((VOCAB,), -1e4)
+        generated = position - 2  # prompts are two tokens
+        if len(history) > 1 and generated in hard_for.get(history[1], set()):
+            logits[10:18] = 0.0
+            logits[10], logits[11] = 0.2, 0.1
+        else:
+            logits[10] = 0.0
+        return logits
+
+    return scripted_pair(large_fn, large_fn)
+
+
+def _paths(engine: Engine, requests: list[Request]) -> dict[tuple[int, int], list[int]]:
+    out: dict[tuple[int, int], list[int]] = {}
+    for event in engine.stream(requests):
+        out.setdefault((event.index, event.path), []).append(event.token_id)
+    return out
+
+
+def test_entropy_and_percentile_math() -> None:
+    uniform = torch.zeros(50)
+    assert float(top_k_entropy_nats(uniform, 20)) == pytest.approx(math.log(20))
+    assert percentile([], 99) == -math.inf and percentile([0.0, 1.0], 50) == pytest.approx(0.5)
+
+
+def test_branches_fire_exactly_at_the_unsure_tokens() -> None:
+    hard = {2, 6}
+    pair, _, _ = _pair({5: hard})
+    engine = Engine(pair)
+    policy = EAGER(theta=1.0, max_paths=8, temperature=0.0)
+    paths = _paths(engine, [Request([1, 5], policy, SamplingParams(max_tokens=N, ignore_eos=True))])
+    assert paths[(0, 0)] == [10] * N  # the original keeps the top-1 token
+    for (_, path), tokens in paths.items():
+        if path:
+            start = N - len(tokens)  # a path inherits its parent's tokens before the branch
+            assert start in hard and tokens[0] == 11 and tokens[1:] == [10] * (len(tokens) - 1)
+    # index 2: the one path branches. Index 6: path 0 branches; for path 1 the prompt's 99th percentile
+    # now is the entropy both unsure tokens had, and the rule needs more than that: 3 paths
+    assert len(paths) == 3
+    median = EAGER(theta=1.0, max_paths=8, percentile=50.0, temperature=0.0)
+    (done,) = engine.generate([Request([1, 5], median, SamplingParams(max_tokens=N, ignore_eos=True))])
+    assert done.paths == 4 and done.cost.extra == {"paths": 4, "branches": 3}  # at the median both branch
+    assert done.cost.completion_tokens == N + (N - 2) + 2 * (N - 6)
+    assert done.cost.prompt_tokens == 2  # the branches copied the prefix's cache
+
+
+def test_the_cap_and_the_shared_budget_hold() -> None:
+    pair, _, _ = _pair({5: set(range(0, N, 2)), 6: set()})  # [1, 5] unsure at every other token, [1, 6] never
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=N, ignore_eos=True)
+    alone = EAGER(theta=1.0, max_paths=3, percentile=0.0, temperature=0.0)
+    (hard,) = engine.generate([Request([1, 5], alone, params)])
+    assert hard.paths == 3  # one prompt: the call's budget is its own cap
+    done = engine.generate([Request([1, 5], alone, params), Request([1, 6], alone, params)])
+    assert done[1].paths == 1 and done[0].paths == 5  # borrows the two the easy prompt left: 3 x 2 - 1
+    tight = EAGER(theta=1.0, max_paths=3, percentile=0.0, temperature=0.0, budget_limit=1)
+    done = engine.generate([Request([1, 5], tight, params), Request([1, 6], tight, params)])
+    assert done[0].paths == 3  # budget_limit x max_paths
+
+
+def test_infinite_theta_is_one_plain_path(pair) -> None:
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, seed=5)
+    (eager,) = engine.generate([Request("12+35=", EAGER(theta=math.inf, temperature=0.6), params)])
+    (plain,) = engine.generate(
+        [Request("12+35=", LargeOnly(), SamplingParams(max_tokens=20, ignore_eos=True, seed=5, temperature=0.6))]
+    )
+    assert eager.token_ids == plain.token_ids and eager.paths == 1 and eager.votes is not None
+
+
+def test_vote_is_deterministic() -> None:
+    policy = EAGER()
+    assert policy.vote(["#### 3", "#### 4", "x #### 4", "#### 3"]) == (0, {"3": 2, "4": 2})  # tie: first answer
+    assert policy.vote(["no answer", "#### 5", "#### 6", "#### 6"]) == (2, {"5": 1, "6": 2})
+    assert policy.vote(["nothing", "here"]) == (0, {})
+    odd = EAGER(extractor=lambda text: text.strip()[-1:] or None)
+    assert odd.vote(["ab", "cb", "zz"])[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"theta": -1.0}, "theta"),
+        ({"max_paths": 0}, "max_paths"),
+        ({"percentile": 101.0}, "percentile"),
+        ({"decoder": "large"}, "decoder"),
+        ({"decoder": SpeculativeDecoding()}, "decoder"),
+        ({"budget_limit": 0}, "budget_limit"),
+        ({"extractor": 3}, "extractor"),
+    ],
+)
+def test_bad_settings_name_the_parameter(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        EAGER(**kwargs)
+
+
+def test_through_the_llm_on_the_embedded_pair() -> None:
+    llm = EntropyAdaptiveLLM(max_tokens=400)
+    prompt = problems("test", 3)[2].prompt
+    for decoder in (LargeOnly(), SmallOnly(), EAD(threshold=0.05)):
+        result = llm.generate([prompt], policy=EAGER(theta=0.3, max_paths=4, decoder=decoder))
+        info = result.generations[0][0].generation_info
+        assert info is not None and 1 <= info["paths"] <= 4 and sum(info["votes"].values()) <= info["paths"]
+        assert info["cost"]["paths"] == info["paths"]
+    with pytest.raises(ValueError, match="vote"):
+        list(llm.stream(prompt, policy=EAGER()))
