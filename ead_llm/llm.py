@@ -420,7 +420,8 @@ def _generation_info(completion: Completion) -> dict[str, Any]:
         "entropies": list(completion.entropies),
     }
     if completion.votes is not None:
-        info.update(votes=completion.votes, paths=completion.paths, chosen_path=completion.path)
+        branches = completion.cost.extra.get("branches", 0)
+        info.update(votes=completion.votes, paths=completion.paths, branches=branches, chosen_path=completion.path)
     return info
 
 

@@ -127,6 +127,6 @@ def test_through_the_llm_on_the_embedded_pair() -> None:
         result = llm.generate([prompt], policy=EAGER(theta=0.3, max_paths=4, decoder=decoder))
         info = result.generations[0][0].generation_info
         assert info is not None and 1 <= info["paths"] <= 4 and sum(info["votes"].values()) <= info["paths"]
-        assert info["cost"]["paths"] == info["paths"]
+        assert info["cost"]["paths"] == info["paths"] == info["branches"] + 1
     with pytest.raises(ValueError, match="vote"):
         list(llm.stream(prompt, policy=EAGER()))
