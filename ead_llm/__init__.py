@@ -1,6 +1,7 @@
 """ead-llm: a small and a large language model behaving as one cheaper large model."""
 
 from ead_llm.chat_model import ChatEntropyAdaptive
+from ead_llm.controls import FixedBlockSwitching, RandomSwitching
 from ead_llm.dspy_adapter import CompletionAdapter
 from ead_llm.eager import EAGER
 from ead_llm.engine import Completion, Engine, Request
@@ -27,11 +28,13 @@ __all__ = [
     "Engine",
     "EntropyAdaptiveLLM",
     "FinishReason",
+    "FixedBlockSwitching",
     "LargeOnly",
     "LoadConfig",
     "ModelPair",
     "Policy",
     "Pricing",
+    "RandomSwitching",
     "Request",
     "Role",
     "SamplingParams",

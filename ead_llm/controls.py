@@ -1,0 +1,95 @@
+"""Control policies for evaluating EAD: switching that ignores the text.
+
+- :class:`RandomSwitching`: the sequence is cut into blocks of ``block`` tokens (EAD's
+  ``min_dwell`` by default in the harness); each block goes to the large model with probability
+  ``fraction``, so the expected large-token fraction is ``fraction``. Which blocks is a fixed
+  function of ``seed`` and the block's index (no state but a counter), so runs repeat exactly.
+- :class:`FixedBlockSwitching`: a fixed rhythm, ``large_block`` large tokens after every
+  ``small_block`` small ones.
+
+They answer "is EAD's choice of *where* to spend the large model better than chance at the same
+budget?"; they are policies like any other and run on the same engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ead_llm.policies import Policy
+from ead_llm.types import Role
+from ead_llm.validation import check_float, check_int
+
+
+@dataclass(frozen=True)
+class CountState:
+    """Tokens generated so far."""
+
+    generated: int = 0
+
+
+def block_draw(seed: int, block: int) -> float:
+    """A uniform number in [0, 1) fixed by ``(seed, block)`` (sha256; no global random state)."""
+    digest = hashlib.sha256(f"ead-llm-random-switching/{seed}/{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass(frozen=True)
+class RandomSwitching(Policy):
+    """Each block of ``block`` tokens comes from the large model with probability ``fraction``."""
+
+    name: ClassVar[str] = "random_switching"
+
+    fraction: float = 0.25
+    """Expected large-token fraction, in [0, 1]."""
+    block: int = 10
+    """Tokens per block (>= 1): the dwell of the switches."""
+    seed: int = 0
+    """Which random pattern (>= 0)."""
+
+    def __post_init__(self) -> None:
+        check_float("fraction", self.fraction, minimum=0.0, maximum=1.0)
+        check_int("block", self.block, minimum=1)
+        check_int("seed", self.seed, minimum=0)
+
+    def start(self) -> CountState:
+        return CountState()
+
+    def choose(self, state: CountState) -> Role:
+        return Role.LARGE if block_draw(self.seed, state.generated // self.block) < self.fraction else Role.SMALL
+
+    def advance(self, state: CountState, role: Role, entropy: float) -> CountState:
+        return CountState(state.generated + 1)
+
+
+@dataclass(frozen=True)
+class FixedBlockSwitching(Policy):
+    """``small_block`` small tokens, then ``large_block`` large ones, repeated."""
+
+    name: ClassVar[str] = "fixed_block"
+
+    small_block: int = 30
+    """Small-model tokens per cycle (>= 0)."""
+    large_block: int = 10
+    """Large-model tokens per cycle (>= 0; the two are not both 0)."""
+
+    def __post_init__(self) -> None:
+        check_int("small_block", self.small_block, minimum=0)
+        check_int("large_block", self.large_block, minimum=0)
+        if self.small_block + self.large_block == 0:
+            raise ValueError("small_block and large_block cannot both be 0")
+
+    @property
+    def large_fraction(self) -> float:
+        return self.large_block / (self.small_block + self.large_block)
+
+    def start(self) -> CountState:
+        return CountState()
+
+    def choose(self, state: CountState) -> Role:
+        position = state.generated % (self.small_block + self.large_block)
+        return Role.SMALL if position < self.small_block else Role.LARGE
+
+    def advance(self, state: CountState, role: Role, entropy: float) -> CountState:
+        return CountState(state.generated + 1)

@@ -1,0 +1,77 @@
+"""Control policies (random and fixed-block switching) and the statistics for comparisons."""
+
+from __future__ import annotations
+
+import pytest
+
+from ead_llm.controls import FixedBlockSwitching, RandomSwitching, block_draw
+from ead_llm.engine import Engine, Request
+from ead_llm.policies import describe_policy, policy_from_description
+from ead_llm.sampling import SamplingParams
+from ead_llm.stats import mcnemar_exact, wilson_interval
+from ead_llm.types import Role
+
+
+def _roles(policy, tokens: int) -> str:
+    state = policy.start()
+    out = []
+    for _ in range(tokens):
+        role = policy.choose(state)
+        out.append("L" if role is Role.LARGE else "S")
+        state = policy.advance(state, role, 0.0)
+    return "".join(out)
+
+
+def test_fixed_block_rhythm() -> None:
+    assert _roles(FixedBlockSwitching(small_block=3, large_block=2), 12) == "SSSLLSSSLLSS"
+    assert FixedBlockSwitching(small_block=3, large_block=1).large_fraction == 0.25
+    with pytest.raises(ValueError, match="both be 0"):
+        FixedBlockSwitching(small_block=0, large_block=0)
+
+
+def test_random_switching_hits_its_fraction_in_blocks_and_repeats() -> None:
+    policy = RandomSwitching(fraction=0.3, block=5, seed=7)
+    pattern = _roles(policy, 20_000)
+    assert all(len(set(pattern[i : i + 5])) == 1 for i in range(0, 20_000, 5))  # whole blocks
+    assert abs(pattern.count("L") / 20_000 - 0.3) < 0.02
+    assert _roles(policy, 200) == pattern[:200] and _roles(RandomSwitching(0.3, 5, seed=8), 200) != pattern[:200]
+    assert (
+        _roles(RandomSwitching(fraction=0.0), 50) == "S" * 50 and _roles(RandomSwitching(fraction=1.0), 50) == "L" * 50
+    )
+    assert 0.0 <= block_draw(0, 0) < 1.0
+    for bad, match in (({"fraction": 1.5}, "fraction"), ({"block": 0}, "block"), ({"seed": -1}, "seed")):
+        with pytest.raises(ValueError, match=match):
+            RandomSwitching(**bad)
+
+
+def test_controls_run_on_the_engine_and_round_trip(llama_pair) -> None:
+    engine = Engine(llama_pair)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    (done,) = engine.generate([Request("12+35=", FixedBlockSwitching(small_block=6, large_block=2), params)])
+    assert "".join("L" if r is Role.LARGE else "S" for r in done.roles) == ("S" * 6 + "L" * 2) * 5
+    assert done.cost.large_tokens == 10 and done.cost.switches == 9
+    for policy in (RandomSwitching(0.2, 4, 3), FixedBlockSwitching(5, 1)):
+        assert policy_from_description(describe_policy(policy)) == policy
+
+
+def test_wilson_interval_against_hand_computed_values() -> None:
+    # 45 of 100, z = 1.959964 (z^2 = 3.841459): centre (.45 + .0192073) / 1.0384146 = .451850,
+    # half 1.959964 * sqrt(.002475 + .0000960365) / 1.0384146 = .095704
+    low, high = wilson_interval(45, 100)
+    assert low == pytest.approx(0.356146, abs=2e-6) and high == pytest.approx(0.547554, abs=2e-6)
+    assert wilson_interval(0, 10)[0] == 0.0 and wilson_interval(10, 10)[1] == 1.0
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="successes"):
+        wilson_interval(5, 3)
+
+
+def test_mcnemar_against_hand_computed_values() -> None:
+    a = [True] * 10 + [False] * 2 + [True] * 5
+    b = [False] * 10 + [True] * 2 + [True] * 5
+    only_a, only_b, p = mcnemar_exact(a, b)
+    # 10 vs 2 discordant: 2 * P(X <= 2), X ~ Bin(12, .5) = 2 * (1 + 12 + 66) / 4096 = 0.0385742
+    assert (only_a, only_b) == (10, 2) and p == pytest.approx(158 / 4096)
+    assert mcnemar_exact([True, False], [True, False]) == (0, 0, 1.0)
+    assert mcnemar_exact([True], [False])[2] == 1.0
+    with pytest.raises(ValueError, match="equal lengths"):
+        mcnemar_exact([True], [True, False])
