@@ -1,7 +1,7 @@
 """ead-llm: a small and a large language model behaving as one cheaper large model."""
 
 from ead_llm.chat_model import ChatEntropyAdaptive
-from ead_llm.controls import FixedBlockSwitching, RandomSwitching
+from ead_llm.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
 from ead_llm.dspy_adapter import CompletionAdapter
 from ead_llm.eager import EAGER
 from ead_llm.engine import Completion, Engine, Request
@@ -32,6 +32,7 @@ __all__ = [
     "LargeOnly",
     "LoadConfig",
     "ModelPair",
+    "OracleSwitching",
     "Policy",
     "Pricing",
     "RandomSwitching",

@@ -6,6 +6,7 @@
   function of ``seed`` and the block's index (no state but a counter), so runs repeat exactly.
 - :class:`FixedBlockSwitching`: a fixed rhythm, ``large_block`` large tokens after every
   ``small_block`` small ones.
+- :class:`OracleSwitching`: the large model exactly where the two models' top-1 tokens differ.
 
 They answer "is EAD's choice of *where* to spend the large model better than chance at the same
 budget?"; they are policies like any other and run on the same engine.
@@ -17,7 +18,12 @@ import hashlib
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
+from ead_llm.ops import sample_token
 from ead_llm.policies import Policy
+from ead_llm.sampling import SamplingParams
+from ead_llm.speculative import SpeculativeDecoding, Verdict
 from ead_llm.types import Role
 from ead_llm.validation import check_float, check_int
 
@@ -93,3 +99,45 @@ class FixedBlockSwitching(Policy):
 
     def advance(self, state: CountState, role: Role, entropy: float) -> CountState:
         return CountState(state.generated + 1)
+
+
+@dataclass(frozen=True)
+class OracleSwitching(SpeculativeDecoding):
+    """The oracle: the large model exactly where the two models' top-1 tokens differ.
+
+    Run as one-token speculative rounds: the small model proposes, the large model scores the same
+    position, and the small token stands iff both models' most likely tokens agree; otherwise the
+    large model's token (its argmax when greedy, else a draw from it) is written. Greedy, its text is
+    the large model's, with the fewest large-model tokens any switching could use. Both models read
+    every position, so its wall-clock and FLOPs are not a budget to compare against.
+    """
+
+    name: ClassVar[str] = "oracle"
+
+    gamma: int = 1
+    adaptive_gamma: bool = False
+    max_gamma: int = 1
+
+    def __post_init__(self) -> None:
+        if self.gamma != 1 or self.adaptive_gamma:
+            raise ValueError("OracleSwitching compares one position at a time: gamma must be 1, not adaptive")
+        super().__post_init__()
+
+    def judge(
+        self,
+        drafts: list[int],
+        small_logits: torch.Tensor,
+        large_logits: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> Verdict:
+        for i in range(len(drafts)):
+            if int(torch.argmax(small_logits[i])) != int(torch.argmax(large_logits[i])):
+                return Verdict(i, self._large_token(large_logits[i], params, generator))
+        return Verdict(len(drafts), self._large_token(large_logits[len(drafts)], params, generator))
+
+    @staticmethod
+    def _large_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+        return sample_token(
+            logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator
+        )

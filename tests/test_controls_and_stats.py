@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ead_llm.controls import FixedBlockSwitching, RandomSwitching, block_draw
 from ead_llm.engine import Engine, Request
@@ -75,3 +76,26 @@ def test_mcnemar_against_hand_computed_values() -> None:
     assert mcnemar_exact([True], [False])[2] == 1.0
     with pytest.raises(ValueError, match="equal lengths"):
         mcnemar_exact([True], [True, False])
+
+
+def test_oracle_uses_the_large_model_exactly_where_top1_differs(pair) -> None:
+    from ead_llm import LargeOnly
+    from ead_llm.controls import OracleSwitching
+
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = ["12+35=", "The quick", "x=1\ny="]
+    large = engine.generate([Request(p, LargeOnly(), params) for p in prompts])
+    oracle = engine.generate([Request(p, OracleSwitching(), params) for p in prompts])
+    assert [c.token_ids for c in oracle] == [c.token_ids for c in large]  # greedy: the large model's text
+    small = pair.small.model
+    for completion, prompt in zip(oracle, prompts, strict=True):
+        # replay without any cache: the small model's top-1 at each position, against the token written there
+        ids = engine.encode(prompt) + list(completion.token_ids)
+        with torch.inference_mode():
+            logits = small(input_ids=torch.tensor([ids[:-1]])).logits[0, :, : pair.vocab_size]  # [T, V]
+        small_top1 = logits.argmax(-1).tolist()[-len(completion.token_ids) :]
+        expected = ["S" if s == t else "L" for s, t in zip(small_top1, completion.token_ids, strict=True)]
+        assert ["S" if r is Role.SMALL else "L" for r in completion.roles] == expected
+    with pytest.raises(ValueError, match="gamma must be 1"):
+        OracleSwitching(gamma=2)
