@@ -134,7 +134,9 @@ class OracleSwitching(SpeculativeDecoding):
         for i in range(len(drafts)):
             if int(torch.argmax(small_logits[i])) != int(torch.argmax(large_logits[i])):
                 return Verdict(i, self._large_token(large_logits[i], params, generator))
-        return Verdict(len(drafts), self._large_token(large_logits[len(drafts)], params, generator))
+        if drafts:  # no bonus token: whether the models agree on the next position is not known yet
+            return Verdict(len(drafts), None)
+        return Verdict(0, self._large_token(large_logits[0], params, generator))
 
     @staticmethod
     def _large_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

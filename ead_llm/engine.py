@@ -549,7 +549,9 @@ class Engine:
         verdict = policy.judge(drafts, small_logits, verify_logits, seq.params, seq.generator)
         prefix = len(seq.tokens) - gamma
         del seq.tokens[prefix:]
-        seq.caches[Role.LARGE].seen = prefix + verdict.accepted
+        # with no closing token the large model must re-read the last kept draft next round: its
+        # logits there are what the next round's first draft is judged against
+        seq.caches[Role.LARGE].seen = prefix + verdict.accepted - (1 if verdict.token is None else 0)
         seq.caches[Role.SMALL].seen = min(seq.caches[Role.SMALL].seen, prefix + verdict.accepted)
         seq.state = policy.end_round(seq.state, gamma, verdict.accepted)
         round_work = (*seq.pending_work, work)
@@ -562,7 +564,8 @@ class Engine:
         small_h = entropy_bits(small_logits).tolist() if drafts else []
         large_h = entropy_bits(verify_logits).tolist()
         emitted = [(token, Role.SMALL, small_h[i]) for i, token in enumerate(drafts[: verdict.accepted])]
-        emitted.append((verdict.token, Role.LARGE, large_h[verdict.accepted]))
+        if verdict.token is not None:
+            emitted.append((verdict.token, Role.LARGE, large_h[verdict.accepted]))
         for i, (token, role, entropy) in enumerate(emitted):
             first = i == 0
             event = self._emit(seq, token, role, entropy, round_work if first else (), counters if first else ())

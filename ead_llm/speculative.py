@@ -60,8 +60,8 @@ class Verdict:
 
     accepted: int
     """Drafts that stand (a prefix of the drafts)."""
-    token: int
-    """The round's last token, drawn from the large model."""
+    token: int | None
+    """The round's last token, drawn from the large model (None: the round ends with its drafts)."""
     entropy_rejections: int = 0
     """1 when EASD rejected a draft that would have stood."""
 

@@ -79,23 +79,37 @@ def test_mcnemar_against_hand_computed_values() -> None:
 
 
 def test_oracle_uses_the_large_model_exactly_where_top1_differs(pair) -> None:
-    from ead_llm import LargeOnly
-    from ead_llm.controls import OracleSwitching
-
     engine = Engine(pair)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     prompts = ["12+35=", "The quick", "x=1\ny="]
+    _check_oracle(engine, prompts, params)
+
+
+def test_oracle_on_the_embedded_pair_where_the_models_mostly_agree() -> None:
+    from ead_llm import EntropyAdaptiveLLM
+    from ead_llm.task import problems
+
+    engine = EntropyAdaptiveLLM().shared_engine
+    fractions = _check_oracle(engine, [p.prompt for p in problems("test", 6)], SamplingParams(max_tokens=400))
+    assert 0.0 < max(fractions) < 0.3  # the small model's top-1 is usually the large model's
+
+
+def _check_oracle(engine: Engine, prompts: list[str], params: SamplingParams) -> list[float]:
+    from ead_llm import LargeOnly
+    from ead_llm.controls import OracleSwitching
+
     large = engine.generate([Request(p, LargeOnly(), params) for p in prompts])
     oracle = engine.generate([Request(p, OracleSwitching(), params) for p in prompts])
     assert [c.token_ids for c in oracle] == [c.token_ids for c in large]  # greedy: the large model's text
-    small = pair.small.model
+    small = engine.pair.small.model
     for completion, prompt in zip(oracle, prompts, strict=True):
         # replay without any cache: the small model's top-1 at each position, against the token written there
         ids = engine.encode(prompt) + list(completion.token_ids)
         with torch.inference_mode():
-            logits = small(input_ids=torch.tensor([ids[:-1]])).logits[0, :, : pair.vocab_size]  # [T, V]
+            logits = small(input_ids=torch.tensor([ids[:-1]])).logits[0, :, : engine.pair.vocab_size]  # [T, V]
         small_top1 = logits.argmax(-1).tolist()[-len(completion.token_ids) :]
         expected = ["S" if s == t else "L" for s, t in zip(small_top1, completion.token_ids, strict=True)]
         assert ["S" if r is Role.SMALL else "L" for r in completion.roles] == expected
     with pytest.raises(ValueError, match="gamma must be 1"):
         OracleSwitching(gamma=2)
+    return [c.cost.large_fraction for c in oracle]
