@@ -186,12 +186,25 @@ class ModelRunner:
 
     def forward(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[ForwardWork]]:
         """Next-token logits [B, V] (float32, on the model's device, in ``rows`` order) and the work per row."""
-        per_row, work = self.forward_all(rows)
-        return torch.stack([logits[-1] for logits in per_row]), work
+        logits, order, counts, work = self._run(rows)  # logits: [B, N, V] in slot order
+        batch = len(rows)
+        picked = logits[torch.arange(batch, device=logits.device), counts - 1]  # [B, V]
+        out = torch.empty_like(picked)
+        out[torch.tensor(order, device=picked.device)] = picked
+        return out, work
 
     def forward_all(self, rows: Sequence[ForwardRow]) -> tuple[list[torch.Tensor], list[ForwardWork]]:
         """Logits at every new position of each row (``[n_i, V]``, in ``rows`` order: what verifying
         drafts needs) and the work per row."""
+        logits, order, counts, work = self._run(rows)
+        per_row: list[torch.Tensor] = [logits[0, :0]] * len(rows)
+        for b, i in enumerate(order):
+            per_row[i] = logits[b, : int(counts[b])]  # [n_i, V]
+        return per_row, work
+
+    def _run(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[int], torch.Tensor, list[ForwardWork]]:
+        """One batched pass: logits ``[B, N, V]`` with rows in slot order, that order, each row's new-token
+        count (slot order), and the work per row (``rows`` order)."""
         news = [list(row.tokens[row.cache.seen :]) for row in rows]
         if any(not new for new in news):
             raise RuntimeError("the runner was asked for logits with no new token to feed")
@@ -226,12 +239,9 @@ class ModelRunner:
             logits_to_keep=width,
             **{self._cache_kwarg: cache},
         )
-        sorted_logits = out.logits[:, :, : self.vocab_size].float()  # [B, N, V]
-        per_row: list[torch.Tensor] = [sorted_logits[0, :0]] * batch
-        for b, i in enumerate(order):
-            per_row[i] = sorted_logits[b, : len(news[i])]  # [n_i, V]
+        logits = out.logits[:, :, : self.vocab_size].float()  # [B, N, V], slot order
         work = []
         for row, new in zip(rows, news, strict=True):
             work.append(ForwardWork(self.role, len(new), row.cache.seen))
             row.cache.seen += len(new)
-        return per_row, work
+        return logits, order, counts, work
