@@ -31,7 +31,6 @@ from pydantic import ConfigDict
 from ead_llm.chat import render
 from ead_llm.engine import Prompt
 from ead_llm.ledger import Cost
-from ead_llm.llm import ROLE_LETTER
 from ead_llm.pair_model import PairModel, iterate_in_thread
 from ead_llm.policies import describe_policy
 
@@ -125,7 +124,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
             "finish_reason": completion.finish_reason.value,
             "model_name": self.pair_name,
             "cost": cost.to_dict(),
-            "models": "".join(ROLE_LETTER[r] for r in completion.roles),
+            "models": "".join(r.letter for r in completion.roles),
             "policy": describe_policy(requests[0].policy),
         }
         message = AIMessage(content=completion.text, usage_metadata=_usage(cost), response_metadata=metadata)
@@ -152,7 +151,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         (request,) = self._requests([self._prompt(messages)], stop, kwargs)
         for event, cost in self._stream_events(request):
-            metadata: dict[str, Any] = {"models": ROLE_LETTER[event.role]}
+            metadata: dict[str, Any] = {"models": event.role.letter}
             if cost is not None and event.finish_reason is not None:
                 metadata.update(finish_reason=event.finish_reason.value, model_name=self.pair_name, cost=cost.to_dict())
                 message = AIMessageChunk(

@@ -143,7 +143,7 @@ class PairEngine:
             message=Message.assistant(completion.text),
             finish_reason=completion.finish_reason.value,
             usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
-            provider_data=self._provider_data(cost, "".join(r.value[0].upper() for r in completion.roles)),
+            provider_data=self._provider_data(cost, "".join(r.letter for r in completion.roles)),
         )
 
     def stream(self, request: LMRequest) -> Iterator[Any]:
@@ -152,7 +152,7 @@ class PairEngine:
         yield StreamStartEvent(model=request.model)
         models = []
         for event, cost in self.owner._stream_events(engine_request):
-            models.append(event.role.value[0].upper())
+            models.append(event.role.letter)
             if event.text:
                 yield StreamDeltaEvent(delta=TextDelta(text=event.text))
             if cost is not None and event.finish_reason is not None:

@@ -402,12 +402,9 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             yield chunk
 
 
-ROLE_LETTER = {Role.SMALL: "S", Role.LARGE: "L"}
-
-
 def _chunk_info(role: Role, token_id: int, entropy: float) -> dict[str, Any]:
     """Lists and strings, so that LangChain's chunk merging concatenates them."""
-    return {"models": ROLE_LETTER[role], "token_ids": [token_id], "entropies": [entropy]}
+    return {"models": role.letter, "token_ids": [token_id], "entropies": [entropy]}
 
 
 def _generation_info(completion: Completion) -> dict[str, Any]:
@@ -415,7 +412,7 @@ def _generation_info(completion: Completion) -> dict[str, Any]:
     info: dict[str, Any] = {
         "finish_reason": completion.finish_reason.value,
         "cost": completion.cost.to_dict(),
-        "models": "".join(ROLE_LETTER[r] for r in completion.roles),
+        "models": "".join(r.letter for r in completion.roles),
         "token_ids": list(completion.token_ids),
         "entropies": list(completion.entropies),
     }

@@ -228,7 +228,7 @@ class Server:
                 choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
             first = False
             chunk = self._envelope(kind, [choice], None)
-            chunk["ead_model"] = "S" if event.role.value == "small" else "L"
+            chunk["ead_model"] = event.role.letter
             if cost is not None and not include_usage:
                 chunk["usage"] = _usage(cost)
             yield f"data: {json.dumps(chunk)}\n\n"

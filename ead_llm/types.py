@@ -15,6 +15,11 @@ class Role(str, Enum):
     def other(self) -> Role:
         return Role.LARGE if self is Role.SMALL else Role.SMALL
 
+    @property
+    def letter(self) -> str:
+        """``S`` or ``L``: how the adapters mark which model wrote a token."""
+        return "S" if self is Role.SMALL else "L"
+
 
 class FinishReason(str, Enum):
     """Why a sequence ended (OpenAI's vocabulary: a stop string or EOS is ``stop``)."""

@@ -10,14 +10,9 @@ import pytest
 from ead_llm.engine import Engine
 from ead_llm.loading import LoadConfig, ModelPair, load_pair
 from ead_llm.tiny import build_tiny_pair, byte_bpe_tokenizer
+from tests.tiny_pairs import BPE_CORPUS
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM: no network fetch in tests
-
-BPE_CORPUS = [
-    "The quick brown fox jumps over the lazy dog. 12 + 35 = 47.",
-    "Entropy adaptive decoding switches models: café, naïve, 数学, 🙂 and ∑ symbols.",
-    "def add(a, b):\n    return a + b\n",
-] * 4
 
 
 @pytest.fixture(scope="session")

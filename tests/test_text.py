@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from ead_llm.text import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
 from ead_llm.tiny import byte_bpe_tokenizer, char_tokenizer
 
-from .conftest import BPE_CORPUS
+from .tiny_pairs import BPE_CORPUS
 
 
 @pytest.fixture(scope="module")
