@@ -1,9 +1,11 @@
 """Control policies for evaluating EAD: switching that ignores the text.
 
 - :class:`RandomSwitching`: the sequence is cut into blocks of ``block`` tokens (EAD's
-  ``min_dwell`` by default in the harness); each block goes to the large model with probability
+  ``min_dwell`` in the harness); each block goes to the large model with probability
   ``fraction``, so the expected large-token fraction is ``fraction``. Which blocks is a fixed
-  function of ``seed`` and the block's index (no state but a counter), so runs repeat exactly.
+  function of ``seed``, the sequence's key (its prompt and sample stream) and the block's index,
+  so every sequence has its own pattern (the realised fraction over many sequences concentrates
+  on ``fraction``) and runs repeat exactly, whatever else is in the batch.
 - :class:`FixedBlockSwitching`: a fixed rhythm, ``large_block`` large tokens after every
   ``small_block`` small ones.
 - :class:`OracleSwitching`: the large model exactly where the two models' top-1 tokens differ.
@@ -15,7 +17,7 @@ budget?"; they are policies like any other and run on the same engine.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -30,14 +32,15 @@ from ead_llm.validation import check_float, check_int
 
 @dataclass(frozen=True)
 class CountState:
-    """Tokens generated so far."""
+    """Tokens generated so far, and which sequence this is (RandomSwitching's pattern)."""
 
     generated: int = 0
+    key: int = 0
 
 
-def block_draw(seed: int, block: int) -> float:
-    """A uniform number in [0, 1) fixed by ``(seed, block)`` (sha256; no global random state)."""
-    digest = hashlib.sha256(f"ead-llm-random-switching/{seed}/{block}".encode()).digest()
+def block_draw(seed: int, key: int, block: int) -> float:
+    """A uniform number in [0, 1) fixed by ``(seed, sequence key, block)`` (sha256; no global random state)."""
+    digest = hashlib.sha256(f"ead-llm-random-switching/{seed}/{key}/{block}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64
 
 
@@ -62,11 +65,15 @@ class RandomSwitching(Policy):
     def start(self) -> CountState:
         return CountState()
 
+    def start_sequence(self, key: int) -> CountState:
+        return CountState(key=key)
+
     def choose(self, state: CountState) -> Role:
-        return Role.LARGE if block_draw(self.seed, state.generated // self.block) < self.fraction else Role.SMALL
+        draw = block_draw(self.seed, state.key, state.generated // self.block)
+        return Role.LARGE if draw < self.fraction else Role.SMALL
 
     def advance(self, state: CountState, role: Role, entropy: float) -> CountState:
-        return CountState(state.generated + 1)
+        return replace(state, generated=state.generated + 1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +105,7 @@ class FixedBlockSwitching(Policy):
         return Role.SMALL if position < self.small_block else Role.LARGE
 
     def advance(self, state: CountState, role: Role, entropy: float) -> CountState:
-        return CountState(state.generated + 1)
+        return replace(state, generated=state.generated + 1)
 
 
 @dataclass(frozen=True)

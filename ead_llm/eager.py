@@ -82,6 +82,9 @@ class EAGER(Policy):
     def start(self) -> Any:
         return self.decoder.start()
 
+    def start_sequence(self, key: int) -> Any:
+        return self.decoder.start_sequence(key)
+
     def choose(self, state: Any) -> Role:
         return self.decoder.choose(state)
 

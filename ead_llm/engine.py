@@ -11,6 +11,7 @@ the framework adapters all consume that one stream.
 from __future__ import annotations
 
 import atexit
+import hashlib
 import queue
 import threading
 import time
@@ -90,6 +91,13 @@ class Completion:
     """How many paths the request ran (EAGER)."""
     votes: dict[str, int] | None = None
     """EAGER's vote counts by extracted answer."""
+
+
+def sequence_key(prompt_ids: Sequence[int], sample_index: int) -> int:
+    """A stable 63-bit key of a sequence (its prompt's ids and its explicit sample index), the same in
+    every process and wherever the request sits in a batch: per-sequence policy randomness is keyed on it."""
+    digest = hashlib.sha256(f"{sample_index}:{','.join(map(str, prompt_ids))}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 _DONE = object()
@@ -256,6 +264,7 @@ class Engine:
                 "lower max_tokens or raise the budget"
             )
         params = request.sampling
+        stream = index if request.sample_index is None else request.sample_index
         if isinstance(request.policy, EAGER):
             params = replace(params, temperature=request.policy.temperature)
         return _Sequence(
@@ -265,11 +274,9 @@ class Engine:
             prompt_len=len(ids),
             reserve=reserve,
             policy=request.policy,
-            state=request.policy.start(),
+            state=request.policy.start_sequence(sequence_key(ids, request.sample_index or 0)),
             params=params,
-            generator=request_generator(
-                request.sampling.seed, index if request.sample_index is None else request.sample_index
-            ),
+            generator=request_generator(request.sampling.seed, stream),
             detok=IncrementalDetokenizer(self.tokenizer, ids),
             stops=StopMatcher(request.sampling.stop),
             caches={role: ModelCache() for role in Role},

@@ -1,7 +1,8 @@
 """Decoding policies: each decides, token by token, which model of the pair speaks.
 
 A policy is a frozen settings object with pure transitions over an explicit per-sequence state:
-``start()`` gives the state before the first token, ``choose(state)`` names the model that
+``start()`` gives the state before the first token (``start_sequence(key)`` when the state may
+depend on which sequence it is), ``choose(state)`` names the model that
 produces the next token, and ``advance(state, role, entropy)`` returns the state after that
 model emitted a token whose distribution had ``entropy`` bits (raw logits, before temperature).
 Policies never run models and never write to the ledger.
@@ -27,6 +28,11 @@ class Policy(ABC):
     @abstractmethod
     def start(self) -> Any:
         """State of a sequence before its first generated token."""
+
+    def start_sequence(self, key: int) -> Any:
+        """State of one sequence before its first token; ``key`` identifies the sequence (a hash of
+        its prompt and sample stream), for policies whose choices vary per sequence. Default: ``start()``."""
+        return self.start()
 
     @abstractmethod
     def choose(self, state: Any) -> Role:

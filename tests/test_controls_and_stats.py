@@ -13,8 +13,8 @@ from ead_llm.stats import mcnemar_exact, wilson_interval
 from ead_llm.types import Role
 
 
-def _roles(policy, tokens: int) -> str:
-    state = policy.start()
+def _roles(policy, tokens: int, key: int = 0) -> str:
+    state = policy.start_sequence(key)
     out = []
     for _ in range(tokens):
         role = policy.choose(state)
@@ -39,7 +39,8 @@ def test_random_switching_hits_its_fraction_in_blocks_and_repeats() -> None:
     assert (
         _roles(RandomSwitching(fraction=0.0), 50) == "S" * 50 and _roles(RandomSwitching(fraction=1.0), 50) == "L" * 50
     )
-    assert 0.0 <= block_draw(0, 0) < 1.0
+    assert _roles(policy, 200, key=1) != pattern[:200]  # each sequence has its own pattern
+    assert 0.0 <= block_draw(0, 0, 0) < 1.0
     for bad, match in (({"fraction": 1.5}, "fraction"), ({"block": 0}, "block"), ({"seed": -1}, "seed")):
         with pytest.raises(ValueError, match=match):
             RandomSwitching(**bad)
@@ -53,6 +54,19 @@ def test_controls_run_on_the_engine_and_round_trip(llama_pair) -> None:
     assert done.cost.large_tokens == 10 and done.cost.switches == 9
     for policy in (RandomSwitching(0.2, 4, 3), FixedBlockSwitching(5, 1)):
         assert policy_from_description(describe_policy(policy)) == policy
+
+
+def test_random_switching_pattern_is_per_sequence_and_batch_independent(llama_pair) -> None:
+    engine = Engine(llama_pair)
+    policy = RandomSwitching(fraction=0.5, block=3, seed=1)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = ["12+35=", "a+b=", "x=1\ny=", "99+1=", "7*8="]
+    together = engine.generate([Request(p, policy, params) for p in prompts])
+    alone = [engine.generate([Request(p, policy, params)])[0] for p in prompts]
+    assert [c.roles for c in together] == [c.roles for c in alone]
+    assert len({c.roles for c in together}) == len(prompts)  # five different patterns
+    large = sum(c.cost.large_tokens for c in together) / sum(c.cost.completion_tokens for c in together)
+    assert 0.25 < large < 0.75
 
 
 def test_wilson_interval_against_hand_computed_values() -> None:
