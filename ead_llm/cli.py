@@ -11,6 +11,7 @@ from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
 from ead_llm.speculative import EASD, SpeculativeDecoding
 
 POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
+EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact")
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -134,6 +135,82 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ead_llm.bench import (
+        BenchConfig,
+        bench,
+        embedded_task,
+        load_jsonl_task,
+        planned_problems,
+        render_table,
+    )
+
+    quick = args.quick
+    if args.task is None:
+        dev = args.dev if args.dev is not None else 20 if quick else 100
+        test = args.test if args.test is not None else 30 if quick else 200
+        task = embedded_task(dev, test)
+    else:
+        task = load_jsonl_task(
+            args.task, extractor=args.extractor, dev_path=args.dev_task, dev_fraction=args.dev_fraction
+        ).limit(args.dev, args.test)
+    overrides = {
+        key: value
+        for key, value in {
+            "thresholds": tuple(args.thresholds) if args.thresholds else None,
+            "eager_thetas": tuple(args.eager_thetas) if args.eager_thetas is not None else None,
+            "eager_paths": args.eager_paths,
+            "budget": args.budget,
+            "budget_metric": args.budget_metric,
+            "window": args.window,
+            "min_dwell": args.min_dwell,
+            "gamma": args.gamma,
+            "easd_threshold": args.entropy_threshold,
+            "max_tokens": args.max_tokens,
+            "batch_size": args.batch_size,
+            "seed": args.seed,
+            "prompt_format": args.prompt_format,
+        }.items()
+        if value is not None
+    }
+    if args.no_speculative:
+        overrides["speculative"] = False
+    if args.no_controls:
+        overrides["controls"] = False
+    config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.no_progress,
+    ) as bar:
+        job = bar.add_task("loading", total=planned_problems(task, config))
+
+        def progress(label: str, done: int) -> None:
+            bar.update(job, advance=done, description=label)
+
+        report, files = bench(
+            args.small,
+            args.large,
+            task=task,
+            config=config,
+            out=args.out,
+            device=args.device,
+            dtype=args.dtype,
+            progress=progress,
+        )
+    render_table(report, Console() if sys.stdout.isatty() else Console(width=150))
+    for path in files.values():
+        print(f"wrote {path}")
+    return 0
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -179,6 +256,39 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model-name", default=None, help="model id clients use (default: ead-llm/<pair>)")
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=cmd_serve)
+    bench = commands.add_parser(
+        "bench",
+        help="accuracy against cost of every policy and control on a task (dev-chosen thresholds, test results)",
+    )
+    bench.add_argument("--quick", action="store_true", help="a small sweep on few problems (minutes)")
+    bench.add_argument("--out", default="bench-results", help="folder for results.json/csv and plots")
+    bench.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    bench.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    bench.add_argument("--task", default=None, help="JSONL file of {prompt, answer} (default: the embedded task)")
+    bench.add_argument("--dev-task", default=None, help="JSONL file of dev problems (default: from --task)")
+    bench.add_argument("--dev-fraction", type=float, default=0.3, help="dev share of unmarked --task lines")
+    bench.add_argument("--extractor", default="hashes", help="answer extractor: " + ", ".join(EXTRACTOR_NAMES))
+    bench.add_argument("--dev", type=int, default=None, help="dev problems (embedded: 100, quick 20)")
+    bench.add_argument("--test", type=int, default=None, help="test problems (embedded: 200, quick 30)")
+    bench.add_argument("--thresholds", type=float, nargs="+", default=None, help="EAD thresholds (bits) to sweep")
+    bench.add_argument("--budget", type=float, default=None, help="cost budget for the dev choice (default 0.25)")
+    bench.add_argument("--budget-metric", choices=("large_fraction", "parameter_ratio"), default=None)
+    bench.add_argument("--window", type=int, default=None, help="EAD window (default 5)")
+    bench.add_argument("--min-dwell", type=int, default=None, help="EAD min dwell and random block (default 10)")
+    bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
+    bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")
+    bench.add_argument("--eager-thetas", type=float, nargs="*", default=None, help="EAGER thetas (none: skip)")
+    bench.add_argument("--eager-paths", type=int, default=None, help="EAGER max_paths (default 8, quick 4)")
+    bench.add_argument("--max-tokens", type=int, default=None, help="per completion (default 400)")
+    bench.add_argument("--batch-size", type=int, default=None, help="requests per engine call (default 1)")
+    bench.add_argument("--seed", type=int, default=None)
+    bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
+    bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
+    bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=cmd_bench)
     return parser
 
 

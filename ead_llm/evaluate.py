@@ -1,16 +1,31 @@
-"""Accuracy against cost of one policy on a list of task problems (the base of the benchmarks)."""
+"""Accuracy against cost of one policy on a list of problems (the base of the benchmarks)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ead_llm.engine import Completion, Engine, Request
 from ead_llm.ledger import Cost
 from ead_llm.policies import Policy, describe_policy
 from ead_llm.sampling import SamplingParams
-from ead_llm.task import Problem, is_correct
+from ead_llm.task import is_correct
+
+
+class Item(Protocol):
+    """A problem: a prompt and the answer a scorer compares the output with."""
+
+    @property
+    def prompt(self) -> str: ...
+
+    @property
+    def answer(self) -> Any: ...
+
+
+Scorer = Callable[[str, Any], bool]
+"""``scorer(output text, expected answer) -> right?``"""
 
 
 @dataclass(frozen=True)
@@ -34,21 +49,35 @@ class PolicyRun:
 
 def run_policy(
     engine: Engine,
-    problems: Sequence[Problem],
+    problems: Sequence[Item],
     policy: Policy,
     *,
     max_tokens: int = 400,
     chunk: int = 50,
+    sampling: SamplingParams | None = None,
+    scorer: Scorer = is_correct,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> PolicyRun:
-    """Greedy completions of every problem under ``policy``, scored by exact match."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    """Complete every problem under ``policy`` (greedy with ``max_tokens`` unless ``sampling`` is
+    given), ``chunk`` requests per engine call, and score each output with ``scorer``.
+
+    Problem ``i`` draws from random stream ``i`` whatever the chunking, so results do not depend on
+    ``chunk``. The wall time is the sum of the engine calls' times; ``on_chunk(n)`` is told after each call.
+    """
+    if not problems:
+        raise ValueError("run_policy needs at least one problem")
+    params = sampling or SamplingParams(max_tokens=max_tokens, temperature=0.0)
     completions: list[Completion] = []
-    start = time.perf_counter()
+    wall = 0.0
     for first in range(0, len(problems), chunk):
         batch = problems[first : first + chunk]
-        completions.extend(engine.generate([Request(p.prompt, policy, params) for p in batch]))
-    wall = time.perf_counter() - start
-    correct = tuple(is_correct(c.text, p.answer) for c, p in zip(completions, problems, strict=True))
+        start = time.perf_counter()
+        requests = [Request(p.prompt, policy, params, sample_index=first + i) for i, p in enumerate(batch)]
+        completions.extend(engine.generate(requests))
+        wall += time.perf_counter() - start
+        if on_chunk is not None:
+            on_chunk(len(batch))
+    correct = tuple(scorer(c.text, p.answer) for c, p in zip(completions, problems, strict=True))
     return PolicyRun(
         policy=describe_policy(policy),
         accuracy=sum(correct) / len(correct),

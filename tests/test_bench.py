@@ -1,0 +1,214 @@
+"""The benchmark harness: tasks and extractors, the dev choice, matched controls, and its files."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from ead_llm.bench import (
+    BenchConfig,
+    BenchTask,
+    Example,
+    choose_under_budget,
+    embedded_task,
+    load_jsonl_task,
+    normalize,
+    pareto_frontier,
+    run_bench,
+    write_report,
+)
+from ead_llm.bench.harness import fixed_block_for, planned_problems
+from ead_llm.bench.tasks import EXTRACTORS, hash_split
+from ead_llm.cli import main
+from ead_llm.controls import RandomSwitching
+from ead_llm.engine import Engine
+from ead_llm.evaluate import run_policy
+from ead_llm.llm import EntropyAdaptiveLLM
+from ead_llm.loading import LoadConfig, load_pair
+from ead_llm.policies import EAD
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("hashes", "12+3\n=15\n#### 15\n", "15"),
+        ("hashes", "so #### 1,250 dollars\n#### 7", "1250"),
+        ("hashes", "#### Paris\n", "Paris"),
+        ("hashes", "no answer", None),
+        ("last_number", "3 apples and 4.50 pears", "4.5"),
+        ("first_line", "\n  yes  \nno", "yes"),
+        ("boxed", r"thus \boxed{\frac{1}{2}} and \boxed{7}", "7"),
+        ("boxed", r"\boxed{a{b}c}", "a{b}c"),
+        ("boxed", r"\boxed{open", None),
+        ("choice", "The answer is (C).", "C"),
+        ("choice", "Answer: B", "B"),
+        ("exact", "  0042 ", "42"),
+    ],
+)
+def test_extractors(name: str, text: str, expected: str | None) -> None:
+    task = BenchTask("t", (Example("p", "1"),), (Example("p", "1"),), name)
+    assert task.extract(text) == expected
+
+
+def test_normalize_and_score() -> None:
+    assert normalize("1,000.0") == normalize("1000") == "1000"
+    assert normalize("0.50") == "0.5" and normalize("-0") == "0" and normalize(" Paris ") == "Paris"
+    task = BenchTask("t", (Example("p", "1"),), (Example("p", "1"),), "hashes")
+    assert task.score("#### 1,000", "1000") and not task.score("#### 999", "1000") and not task.score("", "1")
+    assert set(EXTRACTORS) == {"hashes", "last_number", "first_line", "boxed", "choice", "exact"}
+    with pytest.raises(ValueError, match="extractor must be one of"):
+        BenchTask("t", (), (), "regex")
+
+
+def _write(path: Path, records: list[object]) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    return path
+
+
+def test_jsonl_tasks_and_their_splits(tmp_path: Path) -> None:
+    lines = [{"prompt": f"{i}+1=", "answer": i + 1} for i in range(200)]
+    task = load_jsonl_task(_write(tmp_path / "t.jsonl", lines), extractor="last_number", dev_fraction=0.3)
+    assert len(task.dev) + len(task.test) == 200 and 40 < len(task.dev) < 80
+    assert all(hash_split(e.prompt, 0.3) == "dev" for e in task.dev)
+    assert task.test[0].answer == str(int(task.test[0].prompt.split("+")[0]) + 1)
+    marked = [{**r, "split": "dev" if i < 3 else "test"} for i, r in enumerate(lines[:10])]
+    task = load_jsonl_task(_write(tmp_path / "m.jsonl", marked))
+    assert [e.prompt for e in task.dev] == ["0+1=", "1+1=", "2+1="] and len(task.test) == 7
+    task = load_jsonl_task(tmp_path / "m.jsonl", dev_path=_write(tmp_path / "d.jsonl", lines[:2]))
+    assert len(task.dev) == 2 and len(task.test) == 7  # lines marked dev in the test file are left out
+    assert task.limit(1, 5).dev == task.dev[:1] and len(task.limit(None, 5).test) == 5
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ('{"prompt": "a", "answer": 1}\nnot json\n', r"bad\.jsonl:2: not JSON"),
+        ('{"prompt": "", "answer": 1}\n', "'prompt' must be a non-empty string"),
+        ('{"prompt": "a", "answer": [1]}\n', "'answer' must be a string or a number"),
+        ('{"prompt": "a", "answer": 1, "split": "train"}\n', "'split' must be 'dev' or 'test'"),
+        ("[1, 2]\n", "must be an object"),
+        ("\n", "has no problems"),
+        ('{"prompt": "a", "answer": 1, "split": "test"}\n', "needs problems in both splits"),
+    ],
+)
+def test_jsonl_errors_say_what_to_change(tmp_path: Path, content: str, match: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        load_jsonl_task(path)
+
+
+def test_missing_task_file_and_bad_settings(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_jsonl_task(tmp_path / "nope.jsonl")
+    with pytest.raises(ValueError, match="extractor"):
+        load_jsonl_task(tmp_path / "nope.jsonl", extractor="nope")
+    for bad, match in (
+        ({"thresholds": ()}, "thresholds"),
+        ({"thresholds": (-1.0,)}, "thresholds"),
+        ({"budget": 1.5}, "budget"),
+        ({"budget_metric": "usd"}, "budget_metric"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"eager_paths": 0}, "eager_paths"),
+        ({"prompt_format": "xml"}, "prompt_format"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            BenchConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_embedded_task_splits_are_disjoint() -> None:
+    task = embedded_task(dev=30, test=40)
+    assert len(task.dev) == 30 and len(task.test) == 40
+    assert not {e.prompt for e in task.dev} & {e.prompt for e in task.test}
+    assert task.score(f"#### {task.test[0].answer}\n", task.test[0].answer)
+
+
+def test_choose_under_budget_by_hand() -> None:
+    points = [(0.01, 0.90, 0.60), (0.05, 0.80, 0.25), (0.1, 0.80, 0.20), (0.2, 0.50, 0.10)]
+    assert choose_under_budget(points, 0.25) == (0.1, True)  # tie on accuracy: the cheaper
+    assert choose_under_budget(points, 1.0) == (0.01, True)
+    assert choose_under_budget(points, 0.10) == (0.2, True)  # the budget is inclusive
+    assert choose_under_budget(points, 0.05) == (0.2, False)  # none fits: the cheapest, flagged
+    with pytest.raises(ValueError, match="at least one"):
+        choose_under_budget([], 0.5)
+
+
+def test_pareto_frontier_and_fixed_blocks_by_hand() -> None:
+    points = [(1.0, 0.9), (0.3, 0.6), (0.5, 0.55), (0.3, 0.5), (0.0, 0.4), (0.6, 0.9), (0.8, 0.95)]
+    assert pareto_frontier(points) == [(0.0, 0.4), (0.3, 0.6), (0.6, 0.9), (0.8, 0.95)]
+    assert pareto_frontier([]) == []
+    fixed = fixed_block_for(0.25, 10)
+    assert (fixed.small_block, fixed.large_block) == (30, 10) and fixed.large_fraction == 0.25
+    assert fixed_block_for(0.0, 10).large_fraction == 0.0 and fixed_block_for(1.0, 10).large_fraction == 1.0
+
+
+def test_random_control_hits_a_matched_fraction_on_real_text() -> None:
+    engine = EntropyAdaptiveLLM().shared_engine
+    task = embedded_task(dev=1, test=40)
+    target = run_policy(engine, task.test, EAD(threshold=0.05)).large_fraction
+    control = run_policy(engine, task.test, RandomSwitching(fraction=target, block=10, seed=0))
+    # ~600 blocks of 10 tokens: the realised fraction's standard deviation is about 0.02
+    assert abs(control.large_fraction - target) < 0.06, (control.large_fraction, target)
+    assert control.completions[0].roles != control.completions[1].roles[: len(control.completions[0].roles)]
+
+
+def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, Path], tmp_path: Path) -> None:
+    lines = [{"prompt": f"{i}+{i}=", "answer": 2 * i, "split": "dev" if i < 4 else "test"} for i in range(10)]
+    task = _write(tmp_path / "sums.jsonl", lines)
+    out = tmp_path / "out"
+    small, large = map(str, llama_paths)
+    argv = ["bench", "--quick", "--small", small, "--large", large, "--task", str(task), "--out", str(out)]
+    argv += ["--extractor", "last_number", "--max-tokens", "12", "--thresholds", "3", "8", "--no-progress"]
+    assert main(argv) == 0
+    assert {p.name for p in out.iterdir()} == {
+        "results.json",
+        "results.csv",
+        "accuracy_vs_large_fraction.png",
+        "accuracy_vs_wall_clock.png",
+        "accuracy_vs_flops.png",
+    }
+    data = json.loads((out / "results.json").read_text())
+    runs = data["runs"]
+    required = {"policy", "params", "split", "accuracy", "ci_low", "ci_high", "large_fraction", "parameter_ratio"}
+    assert all(required | {"flops", "wall_time_s", "tokens_per_s"} <= set(r) for r in runs)
+    test_policies = [r["policy"] for r in runs if r["split"] == "test"]
+    for name in ("small_only", "large_only", "ead", "speculative", "easd", "eager", "random_switching", "oracle"):
+        assert name in test_policies
+    assert test_policies.count("ead") == 2 and test_policies.count("random_switching") == 2
+    assert "fixed_block" in test_policies
+    assert sum(r["chosen"] for r in runs if r["split"] == "test" and r["policy"] == "ead") == 1
+    assert [r["n"] for r in runs if r["split"] == "dev"] == [4, 4, 4] and all(
+        r["n"] == 6 for r in runs if r["split"] == "test"
+    )
+    large = next(r for r in runs if r["split"] == "test" and r["policy"] == "large_only")
+    assert large["speedup_vs_large"] == 1.0 and large["large_fraction"] == 1.0
+    for run in runs:
+        assert run["ci_low"] <= run["accuracy"] <= run["ci_high"] and run["flops"] > 0 and run["wall_time_s"] > 0
+        if run["policy"] == "random_switching":
+            assert run["vs_ead"] is not None and run["matched_to"].startswith("EAD")
+    with (out / "results.csv").open() as handle:
+        assert len(list(csv.DictReader(handle))) == len(runs)
+    assert (out / "accuracy_vs_large_fraction.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_run_bench_python_api_and_progress(llama_paths: tuple[Path, Path], tmp_path: Path) -> None:
+    small, large = map(str, llama_paths)
+    engine = Engine(load_pair(LoadConfig(small=small, large=large)))
+    task = BenchTask("sums", (Example("1+1=", "2"),) * 2, (Example("2+2=", "4"),) * 3, "last_number")
+    config = BenchConfig(
+        thresholds=(5.0,), eager_thetas=(), speculative=False, controls=False, max_tokens=6, batch_size=2
+    )
+    seen: list[tuple[str, int]] = []
+    report = run_bench(engine, task, config, progress=lambda label, n: seen.append((label, n)))
+    assert sum(n for _, n in seen) == planned_problems(task, config) == 2 + 3 * 3
+    assert [r.label for r in report.runs] == ["EAD tau=5", "SmallOnly", "LargeOnly", "EAD tau=5"]
+    assert report.selection["threshold"] == 5.0
+    files = write_report(report, tmp_path, plots=False)
+    assert set(files) == {"json", "csv"}
+    assert report.goals()["large_fraction"]["value"] == report.runs[-1].cost.large_fraction
+    with pytest.raises(ValueError, match="task must be a BenchTask"):
+        run_bench(engine, "sums.jsonl", config)  # type: ignore[arg-type]
+    engine.close()
