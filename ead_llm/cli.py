@@ -23,13 +23,16 @@ def _policy(args: argparse.Namespace) -> Policy:
         return SpeculativeDecoding(gamma=args.gamma)
     if args.policy == "easd":
         return EASD(gamma=args.gamma, entropy_threshold=args.entropy_threshold)
-    return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell)
+    return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell, lookahead=args.lookahead)
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="decoding policy (default: ead)")
     parser.add_argument("--threshold", type=float, default=0.25, help="EAD threshold in bits (default 0.25)")
     parser.add_argument("--window", type=int, default=5, help="EAD rolling window in tokens (default 5)")
+    parser.add_argument(
+        "--lookahead", action="store_true", help="EAD: the large model writes the uncertain token itself (ours)"
+    )
     parser.add_argument("--min-dwell", type=int, default=10, help="EAD minimum tokens between switches (default 10)")
     parser.add_argument("--gamma", type=int, default=4, help="speculative/EASD drafts per round (default 4)")
     parser.add_argument("--entropy-threshold", type=float, default=2.0, help="EASD entropy threshold, bits (default 2)")
@@ -141,6 +144,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from ead_llm.bench import (
         BenchConfig,
+        EADVariant,
         bench,
         embedded_task,
         load_jsonl_task,
@@ -165,8 +169,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "eager_paths": args.eager_paths,
             "budget": args.budget,
             "budget_metric": args.budget_metric,
-            "window": args.window,
-            "min_dwell": args.min_dwell,
+            "variants": tuple(EADVariant.parse(v) for v in args.variants) if args.variants else None,
+            "dev_batch_size": args.dev_batch_size,
             "gamma": args.gamma,
             "easd_threshold": args.entropy_threshold,
             "max_tokens": args.max_tokens,
@@ -205,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             progress=progress,
         )
-    render_table(report, Console() if sys.stdout.isatty() else Console(width=150))
+    render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
     for path in files.values():
         print(f"wrote {path}")
     return 0
@@ -247,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
     serve.add_argument("--window", type=int, default=5)
     serve.add_argument("--min-dwell", type=int, default=10)
+    serve.add_argument("--lookahead", action="store_true", help="EAD: the large model writes the uncertain token")
     serve.add_argument("--gamma", type=int, default=4)
     serve.add_argument("--entropy-threshold", type=float, default=2.0)
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
@@ -275,14 +280,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--thresholds", type=float, nargs="+", default=None, help="EAD thresholds (bits) to sweep")
     bench.add_argument("--budget", type=float, default=None, help="cost budget for the dev choice (default 0.25)")
     bench.add_argument("--budget-metric", choices=("large_fraction", "parameter_ratio"), default=None)
-    bench.add_argument("--window", type=int, default=None, help="EAD window (default 5)")
-    bench.add_argument("--min-dwell", type=int, default=None, help="EAD min dwell and random block (default 10)")
+    bench.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="EAD variants WINDOW:MIN_DWELL[:lookahead] (default: 5:10 1:1:lookahead)",
+    )
     bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
     bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")
     bench.add_argument("--eager-thetas", type=float, nargs="*", default=None, help="EAGER thetas (none: skip)")
     bench.add_argument("--eager-paths", type=int, default=None, help="EAGER max_paths (default 8, quick 4)")
     bench.add_argument("--max-tokens", type=int, default=None, help="per completion (default 400)")
-    bench.add_argument("--batch-size", type=int, default=None, help="requests per engine call (default 1)")
+    bench.add_argument("--batch-size", type=int, default=None, help="test requests per engine call (default 1)")
+    bench.add_argument("--dev-batch-size", type=int, default=None, help="dev requests per engine call (default 32)")
     bench.add_argument("--seed", type=int, default=None)
     bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
     bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")

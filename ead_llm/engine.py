@@ -445,6 +445,9 @@ class Engine:
                 logits, work = self.runners[role].forward(rows)  # logits: [B, V]
                 entropies = entropy_bits(logits).tolist()  # [B]
                 for seq, row_logits, row_work, entropy in zip(group, logits, work, entropies, strict=True):
+                    if not isinstance(seq.policy, SpeculativeDecoding) and self._preempted(seq, role, entropy):
+                        seq.pending_work.append(row_work)  # billed with the token the other model writes
+                        continue
                     token = self.sampler.sample(row_logits, seq.params, seq.generator)
                     seq.state = seq.policy.advance(seq.state, role, entropy)
                     if isinstance(seq.policy, SpeculativeDecoding):
@@ -453,10 +456,14 @@ class Engine:
                         seq.pending_work.append(row_work)
                         if token in self.pair.eos_token_ids and not seq.params.ignore_eos:
                             seq.state = seq.policy.cut_round(seq.state)
-                    elif seq.group is not None:
-                        self._eager_token(seq, token, row_logits, role, entropy, row_work)
                     else:
-                        self._deliver(seq, self._emit(seq, token, role, entropy, (row_work,)))
+                        preempted = len(seq.pending_work)
+                        row_works, seq.pending_work = (*seq.pending_work, row_work), []
+                        counters = (("preempted_tokens", preempted),) if preempted else ()
+                        if seq.group is not None:
+                            self._eager_token(seq, token, row_logits, role, entropy, row_works, counters)
+                        else:
+                            self._deliver(seq, self._emit(seq, token, role, entropy, row_works, counters))
             except Exception as exc:  # fail the callers in this group; everyone else carries on
                 for seq in group:
                     seq.finished = True
@@ -473,8 +480,25 @@ class Engine:
             if seq.call.open == 0:
                 seq.call.queue.put(_DONE)
 
+    @staticmethod
+    def _preempted(seq: _Sequence, role: Role, entropy: float) -> bool:
+        """Whether the policy withholds ``role``'s token at this position (its state then names the
+        other model, which writes the position next step); a revision keeping ``role`` is ignored."""
+        revised = seq.policy.preempt(seq.state, role, entropy)
+        if revised is None or seq.policy.choose(revised) is role:
+            return False
+        seq.state = revised
+        return True
+
     def _eager_token(
-        self, seq: _Sequence, token: int, logits: torch.Tensor, role: Role, entropy: float, work: ForwardWork
+        self,
+        seq: _Sequence,
+        token: int,
+        logits: torch.Tensor,
+        role: Role,
+        entropy: float,
+        work: tuple[ForwardWork, ...],
+        counters: tuple[tuple[str, int], ...] = (),
     ) -> None:
         """Emit an EAGER path's token, first branching a new path off it when the rule says so."""
         group = seq.group
@@ -496,8 +520,9 @@ class Engine:
                 group.branches += 1
                 group.budget.paths += 1
                 group.since_branch = 0
-        counters = (("paths", 1),) if seq.generated == 0 and seq.path == 0 else ()
-        self._deliver(seq, self._emit(seq, token, role, entropy, (work,), counters))
+        if seq.generated == 0 and seq.path == 0:
+            counters = (*counters, ("paths", 1))
+        self._deliver(seq, self._emit(seq, token, role, entropy, work, counters))
         if child is not None:
             self._deliver(child, self._emit(child, second, role, entropy, (), (("paths", 1), ("branches", 1))))
 

@@ -42,6 +42,12 @@ class Policy(ABC):
     def advance(self, state: Any, role: Role, entropy: float) -> Any:
         """State after ``role`` emitted a token whose distribution had ``entropy`` bits."""
 
+    def preempt(self, state: Any, role: Role, entropy: float) -> Any | None:
+        """Before ``role``'s next token is sampled, given its distribution's entropy (bits): a new state
+        to withhold that token, so that the model the new state chooses (another one) writes this
+        position instead; None to emit it. Default: None."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         """Name and settings, for logs and results."""
         return {"policy": self.name, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
@@ -133,6 +139,11 @@ class EAD(Policy):
     """Model that produces the first token."""
     reset_window_on_switch: bool = False
     """Forget the window's entropies when the active model changes."""
+    lookahead: bool = False
+    """(ours) Take the switch-to-large decision one token earlier: the small model's distribution for
+    the next token enters the window before its token is sampled, and when the rule then says
+    "large", that token is withheld and the large model writes the position. Standard EAD emits it
+    and switches after it, so the uncertain token itself is always the small model's."""
 
     def __post_init__(self) -> None:
         check_float("threshold", self.threshold, minimum=0.0, allow_inf=True)
@@ -144,6 +155,8 @@ class EAD(Policy):
             raise ValueError(f"start_on must be 'small' or 'large', got {self.start_on!r}") from None
         if not isinstance(self.reset_window_on_switch, bool):
             raise ValueError(f"reset_window_on_switch must be a bool, got {self.reset_window_on_switch!r}")
+        if not isinstance(self.lookahead, bool):
+            raise ValueError(f"lookahead must be a bool, got {self.lookahead!r}")
 
     def start(self) -> EADState:
         return EADState(active=self.start_on, since_switch=0, window=())
@@ -160,6 +173,12 @@ class EAD(Policy):
         if target is state.active:
             return replace(state, since_switch=since, window=window)
         return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
+
+    def preempt(self, state: EADState, role: Role, entropy: float) -> EADState | None:
+        if not self.lookahead or role is Role.LARGE:
+            return None
+        after = self.advance(state, role, entropy)  # the decision EAD would take after this token...
+        return after if after.active is Role.LARGE else None  # ...taken before it, for this token
 
 
 def describe_policy(policy: Policy) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import pytest
 from ead_llm.bench import (
     BenchConfig,
     BenchTask,
+    EADVariant,
     Example,
     choose_under_budget,
     embedded_task,
@@ -114,6 +115,8 @@ def test_missing_task_file_and_bad_settings(tmp_path: Path) -> None:
         ({"batch_size": 0}, "batch_size"),
         ({"eager_paths": 0}, "eager_paths"),
         ({"prompt_format": "xml"}, "prompt_format"),
+        ({"variants": ()}, "variants"),
+        ({"dev_batch_size": 0}, "dev_batch_size"),
     ):
         with pytest.raises(ValueError, match=match):
             BenchConfig(**bad)  # type: ignore[arg-type]
@@ -162,6 +165,7 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
     small, large = map(str, llama_paths)
     argv = ["bench", "--quick", "--small", small, "--large", large, "--task", str(task), "--out", str(out)]
     argv += ["--extractor", "last_number", "--max-tokens", "12", "--thresholds", "3", "8", "--no-progress"]
+    argv += ["--variants", "5:10", "1:1:lookahead"]
     assert main(argv) == 0
     assert {p.name for p in out.iterdir()} == {
         "results.json",
@@ -177,10 +181,10 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
     test_policies = [r["policy"] for r in runs if r["split"] == "test"]
     for name in ("small_only", "large_only", "ead", "speculative", "easd", "eager", "random_switching", "oracle"):
         assert name in test_policies
-    assert test_policies.count("ead") == 2 and test_policies.count("random_switching") == 2
+    assert test_policies.count("ead") == 4 and test_policies.count("random_switching") == 4
     assert "fixed_block" in test_policies
     assert sum(r["chosen"] for r in runs if r["split"] == "test" and r["policy"] == "ead") == 1
-    assert [r["n"] for r in runs if r["split"] == "dev"] == [4, 4, 4] and all(
+    assert [r["n"] for r in runs if r["split"] == "dev"] == [4] * 5 and all(
         r["n"] == 6 for r in runs if r["split"] == "test"
     )
     large = next(r for r in runs if r["split"] == "test" and r["policy"] == "large_only")
@@ -189,6 +193,9 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
         assert run["ci_low"] <= run["accuracy"] <= run["ci_high"] and run["flops"] > 0 and run["wall_time_s"] > 0
         if run["policy"] == "random_switching":
             assert run["vs_ead"] is not None and run["matched_to"].startswith("EAD")
+            matched = next(r for r in runs if r["label"] == run["matched_to"] and r["split"] == "test")
+            assert run["params"]["block"] == matched["params"]["min_dwell"]
+            assert run["target_fraction"] == matched["large_fraction"]
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == len(runs)
     assert (out / "accuracy_vs_large_fraction.png").read_bytes()[:4] == b"\x89PNG"
@@ -199,12 +206,18 @@ def test_run_bench_python_api_and_progress(llama_paths: tuple[Path, Path], tmp_p
     engine = Engine(load_pair(LoadConfig(small=small, large=large)))
     task = BenchTask("sums", (Example("1+1=", "2"),) * 2, (Example("2+2=", "4"),) * 3, "last_number")
     config = BenchConfig(
-        thresholds=(5.0,), eager_thetas=(), speculative=False, controls=False, max_tokens=6, batch_size=2
+        thresholds=(5.0,),
+        variants=(EADVariant(2, 3),),
+        eager_thetas=(),
+        speculative=False,
+        controls=False,
+        max_tokens=6,
+        batch_size=2,
     )
     seen: list[tuple[str, int]] = []
     report = run_bench(engine, task, config, progress=lambda label, n: seen.append((label, n)))
     assert sum(n for _, n in seen) == planned_problems(task, config) == 2 + 3 * 3
-    assert [r.label for r in report.runs] == ["EAD tau=5", "SmallOnly", "LargeOnly", "EAD tau=5"]
+    assert [r.label for r in report.runs] == ["EAD w2/d3 tau=5", "SmallOnly", "LargeOnly", "EAD w2/d3 tau=5"]
     assert report.selection["threshold"] == 5.0
     files = write_report(report, tmp_path, plots=False)
     assert set(files) == {"json", "csv"}
@@ -212,3 +225,14 @@ def test_run_bench_python_api_and_progress(llama_paths: tuple[Path, Path], tmp_p
     with pytest.raises(ValueError, match="task must be a BenchTask"):
         run_bench(engine, "sums.jsonl", config)  # type: ignore[arg-type]
     engine.close()
+
+
+def test_ead_variants_parse_and_validate() -> None:
+    assert EADVariant.parse("5:10") == EADVariant(5, 10)
+    assert EADVariant.parse("1:1:lookahead") == EADVariant(1, 1, lookahead=True)
+    assert EADVariant(1, 1, lookahead=True).label(0.1) == "EAD+lookahead w1/d1 tau=0.1"
+    for bad in ("5", "5:x", "1:1:look", "1:2:3:4"):
+        with pytest.raises(ValueError, match="EAD variant"):
+            EADVariant.parse(bad)
+    with pytest.raises(ValueError, match="window"):
+        EADVariant(0, 1)

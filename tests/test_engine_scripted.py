@@ -135,3 +135,28 @@ def test_stop_string_across_tokens_is_cut_and_not_returned() -> None:
     assert done.text == "6"
     assert done.finish_reason is FinishReason.STOP
     assert len(done.token_ids) == 3  # the tokens of the stop string were generated (and billed)
+
+
+def test_lookahead_gives_the_unsure_position_itself_to_the_large_model() -> None:
+    prompt = [1, 5, 6]
+    hard = {5, 6}  # the small model is unsure about the 3rd and 4th generated tokens
+    pair, small, large = make(hard)
+    engine = Engine(pair)
+    policy = EAD(threshold=1.0, window=1, min_dwell=1, lookahead=True)
+    (done,) = engine.generate([Request(prompt, policy, SamplingParams(max_tokens=7))])
+    # the small model's distributions at t3 and t4 are unsure: both tokens are withheld and written by L
+    assert "".join("L" if r is Role.LARGE else "S" for r in done.roles) == "SSLLSSS"
+    assert done.token_ids[2:4] == (LARGE_TOKEN, LARGE_TOKEN)
+    assert done.cost.extra["preempted_tokens"] == 2 and done.cost.switches == 2
+    # small: prefill, t1, t2, the withheld forward at t3; after L's t3 it reads it and is unsure again
+    # (withheld t4); after L's t4 it reads it and goes on
+    assert [len(c) for c in small.calls] == [3, 1, 1, 1, 1, 1, 1]
+    assert small.calls[3] == [LARGE_TOKEN] and small.calls[4] == [LARGE_TOKEN]
+    # large: catches up over the prompt and two small tokens to write t3, then writes t4 from t3
+    assert large.calls == [[*prompt, SMALL_TOKEN, SMALL_TOKEN], [LARGE_TOKEN]]
+    assert done.cost.small_processed_tokens == sum(len(c) for c in small.calls)
+    assert done.cost.large_processed_tokens == 6
+    # standard EAD with the same settings writes the unsure tokens with the small model
+    pair, _, _ = make(hard)
+    (plain,) = Engine(pair).generate([Request(prompt, EAD(1.0, 1, 1), SamplingParams(max_tokens=7))])
+    assert "".join("L" if r is Role.LARGE else "S" for r in plain.roles) == "SSSLSSS"  # t3 is the small model's

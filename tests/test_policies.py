@@ -96,6 +96,7 @@ def test_pure_helpers() -> None:
         ({"min_dwell": -1}, "min_dwell"),
         ({"min_dwell": True}, "min_dwell"),
         ({"start_on": "medium"}, "start_on"),
+        ({"lookahead": 1}, "lookahead"),
     ],
 )
 def test_invalid_settings_name_the_parameter(kwargs: dict, name: str) -> None:
@@ -110,3 +111,18 @@ def test_positional_threshold_and_description() -> None:
     assert describe_policy(EAD(math.inf))["threshold"] == "inf"
     with pytest.raises(ValueError, match="policy must be a policy object"):
         check_policy("ead")
+
+
+def test_lookahead_takes_the_same_decision_one_token_earlier() -> None:
+    policy = EAD(threshold=1.0, window=2, min_dwell=2, lookahead=True)
+    state = policy.start()
+    assert policy.preempt(state, Role.SMALL, 5.0) is None  # dwell not reached: emit
+    state = policy.advance(state, Role.SMALL, 0.0)
+    assert policy.preempt(state, Role.SMALL, 0.5) is None  # window mean 0.25: emit
+    revised = policy.preempt(state, Role.SMALL, 3.0)  # mean 1.5 > 1 after 2 tokens: withhold
+    assert revised == policy.advance(state, Role.SMALL, 3.0) and policy.choose(revised) is Role.LARGE
+    large = policy.advance(policy.advance(revised, Role.LARGE, 0.0), Role.LARGE, 0.0)
+    assert policy.preempt(large, Role.LARGE, 9.0) is None  # the large model's tokens are never withheld
+    assert EAD(threshold=1.0, window=1, min_dwell=0).preempt(EAD().start(), Role.SMALL, 9.0) is None
+    for other in (SmallOnly(), LargeOnly()):
+        assert other.preempt(other.start(), Role.SMALL, 9.0) is None

@@ -1,12 +1,14 @@
 """The benchmark: every policy and control on one task, with the numbers that make them comparable.
 
-On the dev split it sweeps EAD's threshold and EAGER's theta and chooses, before the test split is
-touched, the EAD threshold with the best dev accuracy under the user's cost budget (and EAGER's
-best theta). On the test split it runs SmallOnly, LargeOnly, the EAD sweep (the chosen point
-marked), SpeculativeDecoding, EASD, EAGER, and the controls: random switching at each EAD point's
-realised large-token fraction (blocks of EAD's ``min_dwell``), fixed-block switching at the
-chosen point's fraction, and the oracle. Every run is greedy (EAGER samples, seeded) and uses the
-same batching, so wall-clock times compare.
+On the dev split it sweeps EAD's threshold for each EAD variant (window, min_dwell, lookahead)
+and EAGER's theta, and chooses, before the test split is touched, the EAD setting with the best
+dev accuracy under the user's cost budget (and EAGER's best theta). On the test split it runs
+SmallOnly, LargeOnly, every EAD variant over the thresholds (the chosen point marked),
+SpeculativeDecoding, EASD, EAGER, and the controls: random switching at each EAD point's realised
+large-token fraction (in blocks of that point's ``min_dwell``), fixed-block switching at the
+chosen point's fraction, and the oracle. Every run is greedy (EAGER samples, seeded). All test
+runs use the same batching (``batch_size``), so their wall-clock times compare; dev runs only
+feed the choice (accuracy and large fraction do not depend on batching), so they run batched.
 """
 
 from __future__ import annotations
@@ -38,15 +40,53 @@ Progress = Callable[[str, int], None]
 
 
 @dataclass(frozen=True)
+class EADVariant:
+    """EAD's settings other than the threshold."""
+
+    window: int = 5
+    min_dwell: int = 10
+    lookahead: bool = False
+
+    def __post_init__(self) -> None:
+        EAD(window=self.window, min_dwell=self.min_dwell, lookahead=self.lookahead)  # validates
+
+    def policy(self, threshold: float) -> EAD:
+        return EAD(threshold=threshold, window=self.window, min_dwell=self.min_dwell, lookahead=self.lookahead)
+
+    @property
+    def name(self) -> str:
+        return f"EAD{'+lookahead' if self.lookahead else ''} w{self.window}/d{self.min_dwell}"
+
+    def label(self, threshold: float) -> str:
+        return f"{self.name} tau={threshold:g}"
+
+    @staticmethod
+    def parse(text: str) -> EADVariant:
+        """``"5:10"`` or ``"1:1:lookahead"`` (window, min_dwell, optional lookahead)."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "lookahead"):
+            raise ValueError(
+                f"an EAD variant is WINDOW:MIN_DWELL[:lookahead], like 5:10 or 1:1:lookahead; got {text!r}"
+            )
+        try:
+            window, dwell = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"an EAD variant's window and min_dwell are integers, got {text!r}") from None
+        return EADVariant(window, dwell, lookahead=len(parts) == 3)
+
+
+PAPER_EAD = EADVariant(5, 10)
+LOOKAHEAD_EAD = EADVariant(1, 1, lookahead=True)
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     """What the benchmark runs."""
 
-    thresholds: tuple[float, ...] = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4)
-    """EAD thresholds (bits) swept on both splits."""
-    window: int = 5
-    """EAD rolling window (tokens)."""
-    min_dwell: int = 10
-    """EAD minimum tokens between switches; also the random control's block length."""
+    thresholds: tuple[float, ...] = (0.05, 0.1, 0.2, 0.4)
+    """EAD thresholds (bits) swept on both splits, for every variant."""
+    variants: tuple[EADVariant, ...] = (PAPER_EAD, LOOKAHEAD_EAD)
+    """EAD variants: the paper's window 5 / dwell 10, and (ours) lookahead with window 1 / dwell 1."""
     budget: float = 0.25
     """The chosen threshold's dev ``budget_metric`` must not exceed this."""
     budget_metric: BudgetMetric = "large_fraction"
@@ -60,7 +100,9 @@ class BenchConfig:
     """EAGER's max_paths."""
     max_tokens: int = 400
     batch_size: int = 1
-    """Requests per engine call, the same for every run (1: one request at a time, latency)."""
+    """Requests per engine call on the test split, the same for every run (1: one at a time, latency)."""
+    dev_batch_size: int = 32
+    """Requests per engine call on the dev split (only accuracy and large fraction are used there)."""
     seed: int = 0
     """Seed of EAGER's sampling and of the random control's patterns."""
     prompt_format: Literal["text", "chat"] = "text"
@@ -77,8 +119,8 @@ class BenchConfig:
             check_float("thresholds", value, minimum=0.0)
         for value in self.eager_thetas:
             check_float("eager_thetas", value, minimum=0.0)
-        check_int("window", self.window, minimum=1)
-        check_int("min_dwell", self.min_dwell, minimum=1)
+        if not self.variants or not all(isinstance(v, EADVariant) for v in self.variants):
+            raise ValueError("variants must be one or more EADVariant(window, min_dwell, lookahead)")
         check_float("budget", self.budget, minimum=0.0, maximum=1.0)
         if self.budget_metric not in ("large_fraction", "parameter_ratio"):
             raise ValueError(f"budget_metric must be 'large_fraction' or 'parameter_ratio', got {self.budget_metric!r}")
@@ -87,6 +129,7 @@ class BenchConfig:
         check_int("eager_paths", self.eager_paths, minimum=1)
         check_int("max_tokens", self.max_tokens, minimum=1)
         check_int("batch_size", self.batch_size, minimum=1)
+        check_int("dev_batch_size", self.dev_batch_size, minimum=1)
         check_int("seed", self.seed, minimum=0)
         if self.prompt_format not in ("text", "chat"):
             raise ValueError(f"prompt_format must be 'text' or 'chat', got {self.prompt_format!r}")
@@ -94,11 +137,12 @@ class BenchConfig:
     @staticmethod
     def quick(**overrides: Any) -> BenchConfig:
         """A smaller sweep for a first look (``ead-llm bench --quick``)."""
-        settings: dict[str, Any] = {"thresholds": (0.025, 0.05, 0.1), "eager_thetas": (0.8,), "eager_paths": 4}
+        settings: dict[str, Any] = {"thresholds": (0.1, 0.4), "eager_thetas": (0.8,), "eager_paths": 4}
         return BenchConfig(**{**settings, **overrides})
 
-    def ead(self, threshold: float) -> EAD:
-        return EAD(threshold=threshold, window=self.window, min_dwell=self.min_dwell)
+    def settings(self) -> list[tuple[EADVariant, float]]:
+        """Every EAD point: each variant at each threshold."""
+        return [(variant, t) for variant in self.variants for t in self.thresholds]
 
 
 @dataclass(frozen=True)
@@ -134,9 +178,12 @@ class BenchRun:
     def tokens_per_s(self) -> float:
         return self.cost.completion_tokens / self.cost.wall_time_s if self.cost.wall_time_s > 0 else 0.0
 
-    def record(self, reference: BenchRun | None = None, paired: BenchRun | None = None) -> dict[str, Any]:
+    def record(
+        self, reference: BenchRun | None = None, paired: BenchRun | None = None, small: BenchRun | None = None
+    ) -> dict[str, Any]:
         """A flat summary: the fields of ``results.json``'s ``runs``. ``reference`` is LargeOnly on the
-        same split (for the relative costs); ``paired`` the EAD run a control is tested against."""
+        same split (for the relative costs), ``small`` SmallOnly (for the ideal time of the run's
+        token mix); ``paired`` the EAD run a control is tested against."""
         low, high = self.ci
         cost = self.cost.to_dict()
         params = {k: v for k, v in self.policy.items() if k != "policy"}
@@ -167,12 +214,18 @@ class BenchRun:
             "wall_cost_vs_large": None,
             "flops_vs_large": None,
             "accuracy_vs_large": None,
+            "ideal_wall_cost_vs_large": None,
+            "wall_vs_ideal": None,
             "vs_ead": None,
             "counters": {k: v for k, v in cost.items() if k in self.cost.extra or k == "acceptance_rate"},
             "outcomes": "".join("1" if c else "0" for c in self.correct),
         }
         if reference is not None:
             out.update(relative_costs(self, reference))
+            if small is not None:
+                ideal = ideal_wall_s(self, small, reference)
+                out["ideal_wall_cost_vs_large"] = ideal / reference.cost.wall_time_s
+                out["wall_vs_ideal"] = self.cost.wall_time_s / ideal if ideal > 0 else None
         if paired is not None:
             ead_only, control_only, p_value = mcnemar_exact(paired.correct, self.correct)
             out["vs_ead"] = {"ead_only": ead_only, "control_only": control_only, "p_value": p_value}
@@ -188,6 +241,14 @@ def relative_costs(run: BenchRun, reference: BenchRun) -> dict[str, float | None
         "flops_vs_large": run.cost.flops / reference.cost.flops if reference.cost.flops else None,
         "accuracy_vs_large": run.accuracy / reference.accuracy if reference.accuracy else None,
     }
+
+
+def ideal_wall_s(run: BenchRun, small: BenchRun, large: BenchRun) -> float:
+    """What ``run``'s tokens would take at the per-token times of SmallOnly and LargeOnly on the same
+    problems: each model's tokens at its own speed, with no catch-up, verification or switching."""
+    per_small = small.cost.wall_time_s / max(1, small.cost.completion_tokens)
+    per_large = large.cost.wall_time_s / max(1, large.cost.completion_tokens)
+    return run.cost.small_tokens * per_small + run.cost.large_tokens * per_large
 
 
 def choose_under_budget(points: Sequence[tuple[float, float, float]], budget: float) -> tuple[float, bool]:
@@ -241,10 +302,11 @@ class BenchReport:
         out = []
         for split in ("dev", "test"):
             reference = next(iter(self.find(split, policy="large_only")), None)
+            small = next(iter(self.find(split, policy="small_only")), None)
             labels = self._by_label(split)
             for run in self.find(split):
                 paired = labels.get(run.matched_to) if run.matched_to else None
-                out.append(run.record(reference, paired))
+                out.append(run.record(reference, paired, small))
         return out
 
     def goals(self) -> dict[str, Any]:
@@ -256,6 +318,11 @@ class BenchReport:
         randoms = self.find("test", "control", "random_switching")
         control = next((r for r in randoms if r.matched_to == chosen.label), None)
         relative = relative_costs(chosen, large)
+        small = next(iter(self.find("test", policy="small_only")), None)
+        ideal = small_wall = None
+        if small is not None:
+            ideal = ideal_wall_s(chosen, small, large) / large.cost.wall_time_s
+            small_wall = small.cost.wall_time_s / large.cost.wall_time_s
         retention = relative["accuracy_vs_large"]
         wall = relative["wall_cost_vs_large"]
         out: dict[str, Any] = {
@@ -274,6 +341,8 @@ class BenchReport:
                 "value": None if wall is None else wall / chosen.cost.parameter_ratio,
                 "wall_cost_vs_large": wall,
                 "parameter_ratio": chosen.cost.parameter_ratio,
+                "ideal_wall_cost_vs_large": ideal,
+                "small_only_wall_cost_vs_large": small_wall,
                 "goal": "<= 1.2",
                 "met": wall is not None and wall <= 1.2 * chosen.cost.parameter_ratio,
             },
@@ -320,10 +389,11 @@ def machine_info(engine: Engine) -> dict[str, Any]:
 
 def planned_problems(task: BenchTask, config: BenchConfig) -> int:
     """How many problem completions a benchmark runs (for a progress bar)."""
-    dev_runs = len(config.thresholds) + len(config.eager_thetas)
-    test_runs = 2 + len(config.thresholds) + (2 if config.speculative else 0) + (1 if config.eager_thetas else 0)
+    points = len(config.settings())
+    dev_runs = points + len(config.eager_thetas)
+    test_runs = 2 + points + (2 if config.speculative else 0) + (1 if config.eager_thetas else 0)
     if config.controls:
-        test_runs += len(config.thresholds) + 2
+        test_runs += points + 2
     return dev_runs * len(task.dev) + test_runs * len(task.test)
 
 
@@ -349,7 +419,7 @@ class _Runner:
             self.engine,
             self.splits[split],
             policy,
-            chunk=self.config.batch_size,
+            chunk=self.config.batch_size if split == "test" else self.config.dev_batch_size,
             sampling=SamplingParams(max_tokens=self.config.max_tokens, temperature=0.0, seed=self.config.seed),
             scorer=self.task.score,
             on_chunk=tick,
@@ -363,36 +433,38 @@ class _Runner:
         self.engine.generate([Request(prompt, SmallOnly(), params), Request(prompt, LargeOnly(), params)])
 
 
-def _ead_label(threshold: float) -> str:
-    return f"EAD tau={threshold:g}"
-
-
 def _eager(config: BenchConfig, theta: float, decoder: EAD, task: BenchTask) -> EAGER:
     return EAGER(theta=theta, max_paths=config.eager_paths, decoder=decoder, extractor=task.extract)
 
 
-def _mark_chosen(runs: list[BenchRun], kind: Kind, key: str, value: float) -> list[BenchRun]:
-    return [replace(r, chosen=True) if r.kind == kind and r.policy[key] == value else r for r in runs]
-
-
-def _dev_choices(runner: _Runner, report: BenchReport) -> tuple[float, float | None]:
-    """Run the dev sweeps; return the chosen EAD threshold and EAGER theta (None: no EAGER)."""
+def _dev_choices(runner: _Runner, report: BenchReport) -> tuple[tuple[EADVariant, float], float | None]:
+    """Run the dev sweeps; return the chosen EAD setting and EAGER theta (None: no EAGER)."""
     config, task = runner.config, runner.task
-    dev_ead = [runner.run(_ead_label(t), "ead", config.ead(t), "dev") for t in config.thresholds]
+    settings = config.settings()
+    dev_ead = [runner.run(v.label(t), "ead", v.policy(t), "dev") for v, t in settings]
     metric = config.budget_metric
-    points = [(t, r.accuracy, float(getattr(r.cost, metric))) for t, r in zip(config.thresholds, dev_ead, strict=True)]
-    threshold, within = choose_under_budget(points, config.budget)
+    points = [(i, r.accuracy, float(getattr(r.cost, metric))) for i, r in enumerate(dev_ead)]
+    index, within = choose_under_budget(points, config.budget)
+    variant, threshold = settings[int(index)]
+    per_variant = {}
+    for v in config.variants:
+        own = [p for p in points if settings[int(p[0])][0] == v]
+        best, fits = choose_under_budget(own, config.budget)
+        per_variant[v.name] = {"threshold": settings[int(best)][1], "within_budget": fits}
     report.selection = {
         "metric": metric,
         "budget": config.budget,
+        "ead": variant.label(threshold),
+        "variant": asdict(variant),
         "threshold": threshold,
         "within_budget": within,
-        "dev": [{"threshold": t, "accuracy": a, metric: c} for t, a, c in points],
+        "per_variant": per_variant,
+        "dev": [{"ead": r.label, "accuracy": a, metric: c} for (_, a, c), r in zip(points, dev_ead, strict=True)],
     }
-    runs = _mark_chosen(dev_ead, "ead", "threshold", threshold)
+    runs = [replace(r, chosen=True) if i == index else r for i, r in enumerate(dev_ead)]
     theta = None
     if config.eager_thetas:
-        decoder = config.ead(threshold)
+        decoder = variant.policy(threshold)
         dev_eager = [
             runner.run(f"EAGER theta={th:g}", "eager", _eager(config, th, decoder, task), "dev")
             for th in config.eager_thetas
@@ -402,9 +474,11 @@ def _dev_choices(runner: _Runner, report: BenchReport) -> tuple[float, float | N
         theta = max(scored, key=lambda item: (item[1], -item[2]))[0]
         report.selection["eager_theta"] = theta
         report.selection["eager_dev"] = [{"theta": t, "accuracy": a, "completion_tokens": n} for t, a, n in scored]
-        runs += _mark_chosen(dev_eager, "eager", "theta", theta)
+        runs += [
+            replace(r, chosen=True) if th == theta else r for th, r in zip(config.eager_thetas, dev_eager, strict=True)
+        ]
     report.runs.extend(runs)
-    return threshold, theta
+    return (variant, threshold), theta
 
 
 def _controls(runner: _Runner, test_ead: list[BenchRun]) -> list[BenchRun]:
@@ -412,13 +486,13 @@ def _controls(runner: _Runner, test_ead: list[BenchRun]) -> list[BenchRun]:
     config = runner.config
     runs = []
     for ead_run in test_ead:
-        fraction = ead_run.cost.large_fraction
-        control = RandomSwitching(fraction=fraction, block=config.min_dwell, seed=config.seed)
-        label = f"Random f={fraction:.3f}"
+        fraction, block = ead_run.cost.large_fraction, max(1, int(ead_run.policy["min_dwell"]))
+        control = RandomSwitching(fraction=fraction, block=block, seed=config.seed)
+        label = f"Random f={fraction:.3f} block {block}"
         runs.append(runner.run(label, "control", control, "test", matched_to=ead_run.label, target_fraction=fraction))
     chosen = next(r for r in test_ead if r.chosen)
     fraction = chosen.cost.large_fraction
-    fixed = fixed_block_for(fraction, config.min_dwell)
+    fixed = fixed_block_for(fraction, max(1, int(chosen.policy["min_dwell"])))
     label = f"Fixed {fixed.small_block}S/{fixed.large_block}L"
     runs.append(runner.run(label, "control", fixed, "test", matched_to=chosen.label, target_fraction=fraction))
     runs.append(runner.run("Oracle", "control", OracleSwitching(), "test"))
@@ -450,14 +524,15 @@ def run_bench(
         machine=machine_info(engine),
     )
     runner.warm_up()
-    threshold, theta = _dev_choices(runner, report)
+    (variant, threshold), theta = _dev_choices(runner, report)
 
     runs = [
         runner.run("SmallOnly", "baseline", SmallOnly(), "test"),
         runner.run("LargeOnly", "baseline", LargeOnly(), "test"),
     ]
     test_ead = [
-        runner.run(_ead_label(t), "ead", config.ead(t), "test", chosen=t == threshold) for t in config.thresholds
+        runner.run(v.label(t), "ead", v.policy(t), "test", chosen=(v, t) == (variant, threshold))
+        for v, t in config.settings()
     ]
     runs += test_ead
     if config.speculative:
@@ -466,7 +541,7 @@ def run_bench(
         runs.append(runner.run(f"Speculative gamma={config.gamma}", "speculative", speculative, "test"))
         runs.append(runner.run(f"EASD tau={config.easd_threshold:g}", "speculative", easd, "test"))
     if theta is not None:
-        eager = _eager(config, theta, config.ead(threshold), task)
+        eager = _eager(config, theta, variant.policy(threshold), task)
         runs.append(runner.run(f"EAGER theta={theta:g}", "eager", eager, "test", chosen=True))
     if config.controls:
         runs += _controls(runner, test_ead)

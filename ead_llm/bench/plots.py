@@ -16,7 +16,6 @@ from ead_llm.bench.report import pareto_frontier
 STYLE: dict[str, dict[str, Any]] = {
     "small_only": {"marker": "o", "color": "tab:gray", "label": "SmallOnly"},
     "large_only": {"marker": "o", "color": "black", "label": "LargeOnly"},
-    "ead": {"marker": "o", "color": "tab:blue", "label": "EAD (threshold sweep)"},
     "random_switching": {"marker": "x", "color": "tab:red", "label": "random switching (matched fraction)"},
     "fixed_block": {"marker": "s", "color": "tab:orange", "label": "fixed-block switching"},
     "oracle": {"marker": "D", "color": "tab:green", "label": "oracle (top-1 disagreements)"},
@@ -31,18 +30,33 @@ def _errors(runs: list[dict[str, Any]]) -> list[list[float]]:
     return [[r["accuracy"] - r["ci_low"] for r in runs], [r["ci_high"] - r["accuracy"] for r in runs]]
 
 
+EAD_COLORS = ("tab:blue", "tab:cyan", "navy", "tab:olive")
+
+
+def _series(run: dict[str, Any]) -> str:
+    """Which line a run belongs to: its policy, and for EAD its variant (the label without tau)."""
+    return run["label"].rsplit(" tau=", 1)[0] if run["policy"] == "ead" else run["policy"]
+
+
+def _style(series: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    if series in STYLE:
+        return STYLE[series]
+    variants = sorted({_series(r) for r in runs if r["policy"] == "ead"})
+    color = EAD_COLORS[variants.index(series) % len(EAD_COLORS)]
+    return {"marker": "o", "color": color, "label": f"{series} (threshold sweep)"}
+
+
 def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str, ...] | None = None) -> None:
     shown = [r for r in runs if r.get(x_key) is not None and (policies is None or r["policy"] in policies)]
-    for policy, style in STYLE.items():
-        group = sorted((r for r in shown if r["policy"] == policy), key=lambda r: r[x_key])
-        if not group:
-            continue
-        xs, ys = [r[x_key] for r in group], [r["accuracy"] for r in group]
+    for series in dict.fromkeys(_series(r) for r in shown):
+        style = _style(series, shown)
+        group = sorted((r for r in shown if _series(r) == series), key=lambda r: r[x_key])
+        line = len(group) > 1 and group[0]["policy"] == "ead"
         ax.errorbar(
-            xs,
-            ys,
+            [r[x_key] for r in group],
+            [r["accuracy"] for r in group],
             yerr=_errors(group),
-            fmt=style["marker"] + ("-" if policy == "ead" else ""),
+            fmt=style["marker"] + ("-" if line else ""),
             color=style["color"],
             label=style["label"],
             capsize=3,
@@ -50,8 +64,8 @@ def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str,
             linewidth=1,
         )
         for run in group:
-            if run["chosen"] and policy in ("ead", "eager"):
-                ax.plot(run[x_key], run["accuracy"], "*", color=style["color"], markersize=16, label=None)
+            if run["chosen"]:
+                ax.plot(run[x_key], run["accuracy"], "*", color=style["color"], markersize=16)
     by_label = {r["label"]: r for r in shown}
     for run in shown:  # a thin line from each control to the EAD point it is matched to
         matched = by_label.get(run["matched_to"]) if run.get("matched_to") else None
@@ -101,14 +115,14 @@ def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
         if key == "wall_cost_vs_large":
             ead = [r for r in runs if r["policy"] == "ead" and r[key] is not None]
             for run in ead:  # where the parameter ratio says EAD should be
-                ax.plot([run["parameter_ratio"], run[key]], [run["accuracy"]] * 2, color="tab:blue", alpha=0.3)
+                ax.plot([run["parameter_ratio"], run[key]], [run["accuracy"]] * 2, color="tab:gray", alpha=0.3)
             ax.plot(
                 [r["parameter_ratio"] for r in ead],
                 [r["accuracy"] for r in ead],
                 "o",
                 markerfacecolor="none",
-                color="tab:blue",
-                label="EAD at its parameter ratio",
+                color="tab:gray",
+                label="EAD points at their parameter ratio",
             )
         ax.set_xlabel(xlabel)
         ax.set_title(f"{title}\n{xlabel.split(' relative')[0]}: accuracy against cost")

@@ -36,6 +36,8 @@ CSV_COLUMNS = (
     "wall_cost_vs_large",
     "flops_vs_large",
     "accuracy_vs_large",
+    "ideal_wall_cost_vs_large",
+    "wall_vs_ideal",
     "chosen",
     "matched_to",
     "target_fraction",
@@ -61,8 +63,8 @@ def render_table(report: BenchReport, console: Console | None = None) -> None:
     """Print the test split's runs, then the dev selection and the goals."""
     console = console or Console()
     table = Table(title=f"{report.task}: test split ({report.pair['small']} + {report.pair['large']})")
-    columns = ("run", "accuracy", "95% CI", "large frac", "param ratio", "wall s", "tok/s", "wall vs L", "FLOPs vs L")
-    for column in (*columns, "p vs EAD"):
+    columns = ["run", "accuracy", "95% CI", "large frac", "param ratio", "wall s", "tok/s", "wall vs L", "vs ideal"]
+    for column in (*columns, "FLOPs vs L", "p vs EAD"):
         table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
     for record in report.records():
         if record["split"] != "test":
@@ -78,13 +80,14 @@ def render_table(report: BenchReport, console: Console | None = None) -> None:
             f"{record['wall_time_s']:.1f}",
             f"{record['tokens_per_s']:.0f}",
             _fmt(record["wall_cost_vs_large"], ".2f"),
+            _fmt(record["wall_vs_ideal"], ".2f"),
             _fmt(record["flops_vs_large"], ".2f"),
-            "-" if vs_ead is None else f"{vs_ead['p_value']:.3g}",
+            "-" if vs_ead is None else f"{vs_ead['p_value']:.2g}",
         )
     console.print(table)
     selection = report.selection
     console.print(
-        f"* chosen on dev ({len(report.find('dev', 'ead')[0].correct)} problems): EAD tau={selection['threshold']:g}, "
+        f"* chosen on dev ({len(report.find('dev', 'ead')[0].correct)} problems): {selection['ead']}, "
         f"best dev accuracy with {selection['metric']} <= {selection['budget']:g}"
         + ("" if selection["within_budget"] else " (no threshold met the budget: the cheapest was taken)")
         + (f"; EAGER theta={selection['eager_theta']:g}" if "eager_theta" in selection else "")
