@@ -50,8 +50,10 @@ def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str,
     shown = [r for r in runs if r.get(x_key) is not None and (policies is None or r["policy"] in policies)]
     for series in dict.fromkeys(_series(r) for r in shown):
         style = _style(series, shown)
-        group = sorted((r for r in shown if _series(r) == series), key=lambda r: r[x_key])
+        group = [r for r in shown if _series(r) == series]
         line = len(group) > 1 and group[0]["policy"] == "ead"
+        if line:  # a sweep is drawn in threshold order (times are noisy: sorting by x would zig-zag)
+            group.sort(key=lambda r: r["params"]["threshold"])
         ax.errorbar(
             [r[x_key] for r in group],
             [r["accuracy"] for r in group],
@@ -93,14 +95,14 @@ def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
     large = _large_reference(runs)
     files: dict[str, Path] = {}
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     _draw(ax, runs, "large_fraction", SWITCHING)
     if large is not None:
         ax.axhline(0.97 * large["accuracy"], color="black", linestyle=":", linewidth=1, label="97% of LargeOnly")
     ax.axvline(data["config"]["budget"], color="tab:blue", linestyle=":", linewidth=1, label="dev budget")
     ax.set_xlabel("fraction of tokens from the large model")
     ax.set_title(f"{title}\naccuracy against large-model tokens (* = chosen on dev)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     files["plot_large_fraction"] = out / "accuracy_vs_large_fraction.png"
     fig.tight_layout()
     fig.savefig(files["plot_large_fraction"], dpi=110)
@@ -110,7 +112,7 @@ def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
         ("wall_cost_vs_large", "accuracy_vs_wall_clock.png", "wall-clock time relative to LargeOnly"),
         ("flops_vs_large", "accuracy_vs_flops.png", "forward FLOPs relative to LargeOnly"),
     ):
-        fig, ax = plt.subplots(figsize=(8, 5.5))
+        fig, ax = plt.subplots(figsize=(11, 5.5))
         _draw(ax, runs, key)
         if key == "wall_cost_vs_large":
             ead = [r for r in runs if r["policy"] == "ead" and r[key] is not None]
@@ -126,7 +128,7 @@ def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
             )
         ax.set_xlabel(xlabel)
         ax.set_title(f"{title}\n{xlabel.split(' relative')[0]}: accuracy against cost")
-        ax.legend(fontsize=8, loc="lower right")
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         files[f"plot_{key.split('_')[0]}"] = out / name
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
