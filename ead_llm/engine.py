@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import math
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from tenacity import Retrying, stop_after_attempt, wait_none
 
 from ead_llm.eager import EAGER
 from ead_llm.ledger import CompletionLedger, Cost, Pricing
@@ -200,6 +202,8 @@ class Engine:
             for role in Role
         }
         self.sampler = Sampler()
+        self.faults = {"retried_passes": 0, "failed_requests": 0}
+        """Passes retried in smaller batches, and requests failed by a fault (not cancelled), so far."""
         self.load_config: LoadConfig | None = None
         """Set by the registry: how to load this pair again (pickling an object that holds the engine
         stores this instead of the weights)."""
@@ -435,41 +439,102 @@ class Engine:
                 kind = "catch-up" if len(seq.tokens) - seq.caches[role].seen > 1 else "decode"
             groups.setdefault((role, kind), []).append(seq)
         for (role, kind), group in sorted(groups.items(), key=lambda item: (item[0][0].value, item[0][1])):
-            try:
-                rows = [ForwardRow(seq.slot, seq.caches[role], seq.tokens) for seq in group]
-                if kind == "verify":
-                    per_row, work = self.runners[role].forward_all(rows)
-                    for seq, row_logits, row_work in zip(group, per_row, work, strict=True):
+            results = self._forward_group(role, kind, group)
+            if kind == "verify":
+                for seq, row_logits, row_work in results:
+                    try:
                         self._verify(seq, row_logits, row_work)
-                    continue
-                logits, work = self.runners[role].forward(rows)  # logits: [B, V]
-                entropies = entropy_bits(logits).tolist()  # [B]
-                for seq, row_logits, row_work, entropy in zip(group, logits, work, entropies, strict=True):
-                    if not isinstance(seq.policy, SpeculativeDecoding) and self._preempted(seq, role, entropy):
-                        seq.pending_work.append(row_work)  # billed with the token the other model writes
-                        continue
-                    token = self.sampler.sample(row_logits, seq.params, seq.generator)
-                    seq.state = seq.policy.advance(seq.state, role, entropy)
-                    if isinstance(seq.policy, SpeculativeDecoding):
-                        seq.tokens.append(token)  # a draft: emitted only if verification keeps it
-                        seq.drafts.append((token, row_logits))
-                        seq.pending_work.append(row_work)
-                        if token in self.pair.eos_token_ids and not seq.params.ignore_eos:
-                            seq.state = seq.policy.cut_round(seq.state)
+                    except Exception as exc:
+                        self._fail(seq, exc)
+                continue
+            entropies = entropy_bits(torch.stack([r[1] for r in results])).tolist() if results else []  # [B]
+            for (seq, row_logits, row_work), entropy in zip(results, entropies, strict=True):
+                try:
+                    self._next_token(seq, role, row_logits, row_work, entropy)
+                except Exception as exc:  # this request fails; everyone else carries on
+                    self._fail(seq, exc)
+
+    def _forward_group(
+        self, role: Role, kind: str, group: list[_Sequence]
+    ) -> list[tuple[_Sequence, torch.Tensor, ForwardWork]]:
+        """One batched pass of ``role`` over ``group``: each sequence with its logits ([V], or [n, V] to
+        verify) and work, in group order.
+
+        When a pass raises (out of memory, or a fault one row triggers), tenacity retries the rows not
+        yet done in passes half as large, down to one row; a row that fails alone fails only its own
+        request. Rows are safe to re-run: a pass writes keys at true positions and advances a cache
+        only when it succeeds.
+        """
+        runner = self.runners[role]
+        done: dict[int, tuple[torch.Tensor, ForwardWork]] = {}
+        failed: set[int] = set()
+
+        def run_in_passes(size: int) -> None:
+            pending = [i for i in range(len(group)) if i not in done and i not in failed]
+            for first in range(0, len(pending), size):
+                chunk = pending[first : first + size]
+                rows = [ForwardRow(group[i].slot, group[i].caches[role], group[i].tokens) for i in chunk]
+                try:
+                    if kind == "verify":
+                        per_row, work = runner.forward_all(rows)
                     else:
-                        preempted = len(seq.pending_work)
-                        row_works, seq.pending_work = (*seq.pending_work, row_work), []
-                        counters = (("preempted_tokens", preempted),) if preempted else ()
-                        if seq.group is not None:
-                            self._eager_token(seq, token, row_logits, role, entropy, row_works, counters)
-                        else:
-                            self._deliver(seq, self._emit(seq, token, role, entropy, row_works, counters))
-            except Exception as exc:  # fail the callers in this group; everyone else carries on
-                for seq in group:
-                    seq.finished = True
-                    if not seq.call.failed:
-                        seq.call.failed = True
-                        seq.call.queue.put(exc)
+                        logits, work = runner.forward(rows)  # [B, V]
+                        per_row = list(logits)
+                except Exception as exc:
+                    if size > 1:
+                        self.faults["retried_passes"] += 1
+                        raise
+                    failed.add(chunk[0])
+                    self._fail(group[chunk[0]], exc)
+                    continue
+                done.update(zip(chunk, zip(per_row, work, strict=True), strict=True))
+
+        retrying = Retrying(
+            stop=stop_after_attempt(len(group).bit_length() + 1),
+            wait=wait_none(),
+            before_sleep=lambda _: self._free_device_memory(),
+            reraise=True,
+        )
+        for attempt in retrying:
+            with attempt:
+                run_in_passes(max(1, math.ceil(len(group) / 2 ** (attempt.retry_state.attempt_number - 1))))
+        return [(group[i], *done[i]) for i in range(len(group)) if i in done]
+
+    def _free_device_memory(self) -> None:
+        if self.pair.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _fail(self, seq: _Sequence, exc: BaseException) -> None:
+        """End ``seq`` and hand ``exc`` to its caller (once per call); the scheduler frees its slot."""
+        seq.finished = True
+        self.faults["failed_requests"] += 1
+        if not seq.call.failed:
+            seq.call.failed = True
+            seq.call.queue.put(exc)
+
+    def _next_token(
+        self, seq: _Sequence, role: Role, row_logits: torch.Tensor, row_work: ForwardWork, entropy: float
+    ) -> None:
+        """Sample, draft or withhold ``seq``'s next token from ``role``'s logits, and emit what is emitted."""
+        if not isinstance(seq.policy, SpeculativeDecoding) and self._preempted(seq, role, entropy):
+            seq.pending_work.append(row_work)  # billed with the token the other model writes
+            return
+        token = self.sampler.sample(row_logits, seq.params, seq.generator)
+        seq.state = seq.policy.advance(seq.state, role, entropy)
+        if isinstance(seq.policy, SpeculativeDecoding):
+            seq.tokens.append(token)  # a draft: emitted only if verification keeps it
+            seq.drafts.append((token, row_logits))
+            seq.pending_work.append(row_work)
+            if token in self.pair.eos_token_ids and not seq.params.ignore_eos:
+                seq.state = seq.policy.cut_round(seq.state)
+            return
+        preempted = len(seq.pending_work)
+        row_works, seq.pending_work = (*seq.pending_work, row_work), []
+        counters = (("preempted_tokens", preempted),) if preempted else ()
+        if seq.group is not None:
+            self._eager_token(seq, token, row_logits, role, entropy, row_works, counters)
+        else:
+            self._deliver(seq, self._emit(seq, token, role, entropy, row_works, counters))
 
     @staticmethod
     def _deliver(seq: _Sequence, event: TokenEvent) -> None:

@@ -1,0 +1,150 @@
+"""Faults and load: a failing pass is retried in smaller batches, a bad row fails only its request,
+and many threads of mixed policies get exactly their single-thread results."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.controls import RandomSwitching
+from ead_llm.engine import Engine, Request
+from ead_llm.sampling import SamplingParams
+from ead_llm.types import Role
+
+PROMPTS = ["12+35=", "The quick brown fox", "a+b=", "x=1\ny=", "def add(a, b):", "99+1=", "Q: 3*4?", "hello"]
+
+
+def _break_runner(engine: Engine, monkeypatch: pytest.MonkeyPatch, fault) -> None:
+    """Make every pass of both models raise ``fault(rows)`` when it returns an exception."""
+    for runner in engine.runners.values():
+        original = runner._run
+
+        def run(rows, original=original):
+            exc = fault(rows)
+            if exc is not None:
+                raise exc
+            return original(rows)
+
+        monkeypatch.setattr(runner, "_run", run)
+
+
+def _settled(engine: Engine) -> dict[str, int]:
+    """The engine's load once the scheduler has retired what just finished (it does so after the
+    step that delivered the last token)."""
+    deadline = time.monotonic() + 5
+    while engine.load["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return engine.load
+
+
+def _together(engine: Engine, requests: list[Request]) -> list[tuple[int, ...] | BaseException]:
+    """Each request from its own thread, all at once (one engine batch); token ids or the error."""
+    out: list[tuple[int, ...] | BaseException] = [()] * len(requests)
+    barrier = threading.Barrier(len(requests))
+
+    def call(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = engine.generate([requests[i]])[0].token_ids
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+def test_out_of_memory_is_retried_in_smaller_batches(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(llama_pair, max_batch=16)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    requests = [Request(p, EAD(threshold=2.0, window=1, min_dwell=1), params) for p in PROMPTS]
+    alone = [engine.generate([r])[0].token_ids for r in requests]
+    sizes: list[int] = []
+
+    def oom(rows):
+        sizes.append(len(rows))
+        return torch.OutOfMemoryError("CUDA out of memory (injected)") if len(rows) > 2 else None
+
+    _break_runner(engine, monkeypatch, oom)
+    assert _together(engine, requests) == alone
+    assert max(sizes) > 2 and engine.faults["retried_passes"] > 0 and engine.faults["failed_requests"] == 0
+    assert _settled(engine) == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_a_fault_in_one_request_leaves_the_others_correct(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = Engine(llama_pair, max_batch=16)
+    bad = engine.encode("a poisoned prompt")
+    policies = [EAD(threshold=2.0, window=1, min_dwell=1), SpeculativeDecoding(gamma=3), SmallOnly(), LargeOnly()]
+    requests = [
+        Request(p, policies[i % 4], SamplingParams(max_tokens=15, temperature=0.7, seed=i))
+        for i, p in enumerate(PROMPTS)
+    ]
+    alone = [engine.generate([r])[0].token_ids for r in requests]
+    poisoned = Request(bad, LargeOnly(), SamplingParams(max_tokens=15))
+
+    def fault(rows):
+        if any(list(row.tokens[: len(bad)]) == bad for row in rows):
+            return RuntimeError("injected fault in one request")
+        return None
+
+    _break_runner(engine, monkeypatch, fault)
+    out = _together(engine, [*requests, poisoned])
+    assert out[:-1] == alone
+    assert isinstance(out[-1], RuntimeError) and "injected fault" in str(out[-1])
+    assert engine.faults["failed_requests"] == 1
+    assert _settled(engine) == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    monkeypatch.undo()
+    assert [engine.generate([r])[0].token_ids for r in requests] == alone  # nothing left corrupted
+
+
+def test_a_model_that_always_fails_fails_every_request_and_frees_everything(
+    llama_pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(llama_pair, max_batch=8)
+    _break_runner(engine, monkeypatch, lambda rows: RuntimeError("broken model"))
+    out = _together(engine, [Request(p, SmallOnly(), SamplingParams(max_tokens=4)) for p in PROMPTS[:5]])
+    assert all(isinstance(o, RuntimeError) and str(o) == "broken model" for o in out)
+    assert _settled(engine) == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    assert sorted(engine._free_slots) == list(range(8))
+
+
+def _mixed(n: int, offset: int) -> list[Request]:
+    policies = [
+        EAD(threshold=2.0, window=1, min_dwell=1),
+        EAD(threshold=2.0, window=1, min_dwell=1, lookahead=True),
+        SmallOnly(),
+        LargeOnly(),
+        SpeculativeDecoding(gamma=3),
+        EASD(entropy_threshold=1.0, gamma=2),
+        RandomSwitching(fraction=0.3, block=2, seed=1),
+        EAGER(theta=0.5, max_paths=2, decoder=SmallOnly()),
+    ]
+    out = []
+    for k in range(n):
+        i = offset + k
+        sampling = SamplingParams(max_tokens=8 + i % 5, temperature=0.0 if i % 3 == 0 else 0.9, top_k=i % 4, seed=i)
+        out.append(Request(PROMPTS[i % len(PROMPTS)] + str(i), policies[i % len(policies)], sampling))
+    return out
+
+
+def test_eight_threads_of_fifty_mixed_requests_match_one_thread(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=16)
+    work = [_mixed(50, 50 * t) for t in range(8)]
+    alone = [[engine.generate([r])[0].token_ids for r in chunk] for chunk in work]
+
+    def thread(chunk: list[Request]) -> list[tuple[int, ...]]:
+        return [engine.generate([r])[0].token_ids for r in chunk]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        together = list(pool.map(thread, work))
+    assert together == alone
+    assert _settled(engine) == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    assert engine.runners[Role.SMALL].pool is engine.runners[Role.SMALL].pool  # the pool was never rebuilt
