@@ -247,17 +247,30 @@ class Engine:
             if bos is None:
                 raise ValueError("prompt must not be empty: this tokenizer has no BOS token to start from")
             ids = [int(bos)]
-        if self.max_positions is not None and len(ids) >= self.max_positions:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but the models accept at most {self.max_positions} positions "
-                "in all: shorten the prompt"
-            )
         return ids
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids a request decodes from: its encoded prompt, left-truncated to fit the context
+        when the request asks for it, else refused when it leaves no room for a new token."""
+        ids = self.encode(request.prompt)
+        limit = self.max_positions
+        if limit is None or len(ids) < limit:
+            return ids
+        if request.sampling.prompt_truncation == "error":
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but the models accept at most {limit} positions in all: "
+                "shorten the prompt, or pass prompt_truncation='left' to drop its oldest tokens"
+            )
+        keep = max(1, limit - request.sampling.max_tokens)
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids[0] == bos and keep > 1:
+            return [ids[0], *ids[len(ids) - keep + 1 :]]
+        return ids[len(ids) - keep :]
 
     # -- callers ---------------------------------------------------------------------------------
 
     def _sequence(self, call: _Call, index: int, request: Request) -> _Sequence:
-        ids = self.encode(request.prompt)
+        ids = self.prompt_ids(request)
         reserve = len(ids) + request.sampling.max_tokens
         if self.max_positions is not None:
             reserve = min(reserve, self.max_positions)
@@ -721,7 +734,7 @@ class Engine:
         _check_requests(requests)
         start = time.perf_counter()
         info = (self.pair.small.info, self.pair.large.info)
-        prompt_lengths = [len(self.encode(r.prompt)) for r in requests]
+        prompt_lengths = [len(self.prompt_ids(r)) for r in requests]
         ledgers: dict[tuple[int, int], CompletionLedger] = {}
         events: dict[tuple[int, int], list[TokenEvent]] = {}
         done: dict[int, float] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
@@ -29,7 +29,7 @@ from ead_llm.tracking import report
 from ead_llm.types import TokenEvent
 from ead_llm.validation import check_float, check_int, check_stop
 
-CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos")
+CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "prompt_truncation")
 """Settings a single call may override (``llm.invoke(x, policy=SmallOnly())`` or ``llm.bind(...)``)."""
 
 EMBEDDED_NAME = "embedded"
@@ -77,6 +77,9 @@ class PairModel(BaseModel):
     """Default stop strings, used when a call passes none."""
     ignore_eos: bool = False
     """Generate past EOS (for fixed-length benchmarks)."""
+    prompt_truncation: Literal["error", "left"] = "error"
+    """A prompt longer than the context: ``error`` refuses it (ValueError); ``left`` drops its oldest
+    tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
     timeout: float | None = None
     """Seconds one call may take; past it the call raises ``TimeoutError`` and frees its caches."""
     max_retries: int = 2
@@ -187,6 +190,7 @@ class PairModel(BaseModel):
             stop=check_stop(stop if stop is not None else self.stop),
             seed=options.get("seed", self.seed),
             ignore_eos=options.get("ignore_eos", self.ignore_eos),
+            prompt_truncation=options.get("prompt_truncation", self.prompt_truncation),
         )
 
     @staticmethod
@@ -221,6 +225,7 @@ class PairModel(BaseModel):
             "max_tokens": self.max_tokens,
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
+            "prompt_truncation": self.prompt_truncation,
         }
 
     def get_token_ids(self, text: str) -> list[int]:
@@ -251,7 +256,7 @@ class PairModel(BaseModel):
             raise ValueError("EAGER answers by a vote once every path has finished: use invoke/generate, not stream")
         engine = self._engine
         pair = engine.pair
-        ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.encode(request.prompt)), self.pricing)
+        ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.prompt_ids(request)), self.pricing)
         start = time.perf_counter()
         stream = engine.stream([request], self.timeout)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -29,6 +30,9 @@ class SamplingParams:
     """Seed of this request's random generator; None draws a fresh one."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks that need a fixed length)."""
+    prompt_truncation: Literal["error", "left"] = "error"
+    """A prompt that does not fit the context: ``error`` (the default) refuses it; ``left`` drops its
+    oldest tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, minimum=0.0, maximum=100.0)
@@ -40,6 +44,8 @@ class SamplingParams:
             check_int("seed", self.seed, minimum=0, maximum=2**63 - 1)
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.prompt_truncation not in ("error", "left"):
+            raise ValueError(f"prompt_truncation must be 'error' or 'left', got {self.prompt_truncation!r}")
 
 
 def request_generator(seed: int | None, row: int) -> torch.Generator:

@@ -50,6 +50,7 @@ class _Body(BaseModel):
     stream_options: dict[str, Any] | None = None
     logprobs: bool | int | None = None
     policy: dict[str, Any] | None = None
+    prompt_truncation: str | None = None
 
 
 class CompletionBody(_Body):
@@ -128,6 +129,7 @@ class Server:
             ("top_p", body.top_p),
             ("top_k", body.top_k),
             ("seed", body.seed),
+            ("prompt_truncation", body.prompt_truncation),
         ):
             if value is not None:
                 options[name] = value

@@ -148,3 +148,32 @@ def test_eight_threads_of_fifty_mixed_requests_match_one_thread(llama_pair) -> N
     assert together == alone
     assert _settled(engine) == {"running": 0, "waiting": 0, "reserved_kv": 0}
     assert engine.runners[Role.SMALL].pool is engine.runners[Role.SMALL].pool  # the pool was never rebuilt
+
+
+def test_overlong_prompts_are_refused_or_left_truncated(llama_pair) -> None:
+    from ead_llm import EntropyAdaptiveLLM
+
+    engine = Engine(llama_pair)
+    limit = engine.max_positions
+    assert limit == 512
+    long_prompt = " ".join(str(i) for i in range(2000))
+    with pytest.raises(ValueError, match="prompt_truncation='left'"):
+        engine.generate([Request(long_prompt, SmallOnly(), SamplingParams(max_tokens=5))])
+    params = SamplingParams(max_tokens=5, ignore_eos=True, prompt_truncation="left")
+    (done,) = engine.generate([Request(long_prompt, SmallOnly(), params)])
+    assert done.cost.prompt_tokens == limit - 5 and len(done.token_ids) == 5
+    ids = engine.encode(long_prompt)
+    kept = engine.prompt_ids(Request(long_prompt, SmallOnly(), params))
+    bos = engine.tokenizer.bos_token_id
+    assert kept[1:] == ids[-(limit - 6) :] and (kept[0] == bos if ids[0] == bos else kept[0] == ids[-(limit - 5)])
+    # a prompt that fits is left alone; max_tokens beyond the context still keeps one prompt token
+    assert engine.prompt_ids(Request("12+35=", SmallOnly(), params)) == engine.encode("12+35=")
+    wide = SamplingParams(max_tokens=4000, prompt_truncation="left")
+    assert len(engine.prompt_ids(Request(long_prompt, SmallOnly(), wide))) == 1
+    with pytest.raises(ValueError, match="prompt_truncation must be 'error' or 'left'"):
+        SamplingParams(prompt_truncation="right")  # type: ignore[arg-type]
+    small, large = (m.info.source for m in (llama_pair.small, llama_pair.large))
+    llm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=3)
+    with pytest.raises(ValueError, match="prompt has"):
+        llm.invoke(long_prompt)
+    assert isinstance(llm.invoke(long_prompt, prompt_truncation="left"), str)
