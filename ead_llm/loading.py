@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ead_llm.types import Role
+from ead_llm.validation import check_float, check_int
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -35,12 +38,18 @@ class LoadConfig:
     """Never reach the network (also implied by ``HF_HUB_OFFLINE=1``)."""
     trust_remote_code: bool = False
     """Allow model code from the Hub."""
+    load_attempts: int = field(default=4, compare=False)
+    """Tries per file set before giving up on transient network or file errors (>= 1)."""
+    retry_wait_s: float = field(default=1.0, compare=False)
+    """First backoff between tries, doubled each time up to 30 s (>= 0)."""
 
     def __post_init__(self) -> None:
         for name in ("small", "large"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise ValueError(f"{name} must be a Hugging Face model id or a local folder, got {value!r}")
+        check_int("load_attempts", self.load_attempts, minimum=1)
+        check_float("retry_wait_s", self.retry_wait_s, minimum=0.0)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
         if self.device is not None:
@@ -180,9 +189,49 @@ def _check_source(name: str, source: str) -> None:
         raise ValueError(f"{name} model folder {source!r} does not exist")
 
 
-def _from_pretrained(loader: Any, name: str, source: str, **kwargs: Any) -> Any:
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED}
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a loading error is worth another try: a connection or timeout error, a busy or
+    failing file read, or a Hub answer of 408/429/5xx, anywhere in the chain of causes. A missing
+    repository, file or permission is not."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionError | TimeoutError | InterruptedError):
+            return True
+        if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        if type(current).__module__.split(".")[0] in ("httpx", "requests", "urllib3") and any(
+            word in type(current).__name__ for word in ("Timeout", "Connect", "Network", "Transport", "Protocol")
+        ):
+            return True
+        status = getattr(getattr(current, "response", None), "status_code", None)
+        if status in _TRANSIENT_STATUS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _from_pretrained(loader: Any, name: str, source: str, config: LoadConfig, **kwargs: Any) -> Any:
+    """``loader.from_pretrained`` with retries (exponential backoff) on transient errors; any other
+    error, or the last transient one, is raised as an ``OSError`` that says what to check."""
+    retrying = Retrying(
+        stop=stop_after_attempt(config.load_attempts),
+        wait=wait_exponential(multiplier=config.retry_wait_s, max=30),
+        retry=retry_if_exception(is_transient),
+    )
     try:
-        return loader.from_pretrained(source, **kwargs)
+        return retrying(loader.from_pretrained, source, **kwargs)
+    except RetryError as err:
+        last = err.last_attempt.exception()
+        raise OSError(
+            f"could not load the {name} model {source!r} after {config.load_attempts} tries ({last}): "
+            "check the network and the Hub, or pass a local folder (local_files_only=True works offline)"
+        ) from last
     except OSError as err:
         raise OSError(f"could not load the {name} model {source!r}: {err}") from err
 
@@ -192,14 +241,14 @@ def load_pair(config: LoadConfig) -> ModelPair:
     _check_source("small", config.small)
     _check_source("large", config.large)
     hub = config.hub_kwargs()
-    tok_small = _from_pretrained(AutoTokenizer, "small", config.small, **hub)
-    tok_large = _from_pretrained(AutoTokenizer, "large", config.large, **hub)
+    tok_small = _from_pretrained(AutoTokenizer, "small", config.small, config, **hub)
+    tok_large = _from_pretrained(AutoTokenizer, "large", config.large, config, **hub)
     check_same_vocabulary(tok_small, tok_large)
     device = config.resolved_device()
     dtype = config.resolved_dtype()
     models = {}
     for role, source in ((Role.SMALL, config.small), (Role.LARGE, config.large)):
-        model = _from_pretrained(AutoModelForCausalLM, role.value, source, dtype=dtype, **hub)
+        model = _from_pretrained(AutoModelForCausalLM, role.value, source, config, dtype=dtype, **hub)
         model.to(device)
         model.eval()
         models[role] = LoadedModel(role=role, model=model, info=describe_model(source, model))

@@ -7,14 +7,25 @@ from collections.abc import Iterable
 from typing import Any
 
 
+def _bounds(minimum: float | None, maximum: float | None, *, exclusive_minimum: bool = False) -> str:
+    """The allowed range in words: `` >= 1``, `` in [0, 1]``, `` in (0, 1]``, or nothing."""
+    if minimum is not None and maximum is not None:
+        return f" in {'(' if exclusive_minimum else '['}{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" {'>' if exclusive_minimum else '>='} {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
 def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """Return ``value`` if it is an int (not a bool) within the bounds, else raise ``ValueError``."""
+    """Return ``value`` if it is an int (not a bool) within the bounds, else raise a ``ValueError``
+    that names the parameter, the value and the allowed range."""
+    allowed = _bounds(minimum, maximum)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        raise ValueError(f"{name} must be an integer{allowed}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be{allowed}, got {value}")
     return value
 
 
@@ -27,21 +38,19 @@ def check_float(
     exclusive_minimum: bool = False,
     allow_inf: bool = False,
 ) -> float:
-    """Return ``float(value)`` if it is a real number within the bounds, else raise ``ValueError``."""
+    """Return ``float(value)`` if it is a real number within the bounds, else raise a ``ValueError``
+    that names the parameter, the value and the allowed range."""
+    allowed = _bounds(minimum, maximum, exclusive_minimum=exclusive_minimum)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} must be a number, got {value!r}")
+        raise ValueError(f"{name} must be a number{allowed}, got {value!r}")
     number = float(value)
     if math.isnan(number):
-        raise ValueError(f"{name} must be a number, got NaN")
+        raise ValueError(f"{name} must be a number{allowed}, got NaN")
     if math.isinf(number) and not (allow_inf and number > 0):
-        raise ValueError(f"{name} must be finite, got {number}")
-    if minimum is not None:
-        if exclusive_minimum and number <= minimum:
-            raise ValueError(f"{name} must be > {minimum}, got {number}")
-        if not exclusive_minimum and number < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {number}")
-    if maximum is not None and number > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {number}")
+        raise ValueError(f"{name} must be finite{allowed}, got {number}")
+    below = minimum is not None and (number <= minimum if exclusive_minimum else number < minimum)
+    if below or (maximum is not None and number > maximum):
+        raise ValueError(f"{name} must be{allowed}, got {number}")
     return number
 
 
@@ -58,5 +67,5 @@ def check_stop(value: Any) -> tuple[str, ...]:
         if not isinstance(item, str):
             raise ValueError(f"stop must contain only strings, got {item!r}")
         if item == "":
-            raise ValueError("stop strings must not be empty")
+            raise ValueError(f"stop strings must not be empty, got {list(stops)!r}")
     return stops

@@ -137,3 +137,62 @@ def test_sliding_window_models_are_refused_with_a_reason() -> None:
         check_full_attention("mistral-0.1", MistralConfig(sliding_window=4096))
     with pytest.raises(ValueError, match="sliding_attention"):
         check_full_attention("hybrid", Qwen2Config(use_sliding_window=True, sliding_window=64, max_window_layers=1))
+
+
+class _Flaky:
+    """A loader whose first ``failures`` calls raise ``error``, then loads for real."""
+
+    def __init__(self, real, failures: int, error: BaseException) -> None:
+        self.real, self.failures, self.error, self.calls = real, failures, error, 0
+
+    def from_pretrained(self, source, **kwargs):
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise self.error
+        return self.real.from_pretrained(source, **kwargs)
+
+
+def test_loading_retries_transient_errors_with_backoff(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ead_llm.loading as loading
+
+    small, large = map(str, llama_paths)
+    flaky = _Flaky(loading.AutoTokenizer, 2, ConnectionError("connection reset by peer"))
+    monkeypatch.setattr(loading, "AutoTokenizer", flaky)
+    pair = load_pair(LoadConfig(small=small, large=large, retry_wait_s=0.0))
+    assert flaky.calls == 4 and pair.vocab_size > 0  # small: 2 failures + 1 success; large: 1
+
+
+def test_loading_gives_up_with_a_clear_message(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ead_llm.loading as loading
+
+    small, large = map(str, llama_paths)
+    down = _Flaky(loading.AutoTokenizer, 99, TimeoutError("read timed out"))
+    monkeypatch.setattr(loading, "AutoTokenizer", down)
+    with pytest.raises(OSError, match=r"could not load the small model .* after 3 tries \(read timed out\).*local"):
+        load_pair(LoadConfig(small=small, large=large, load_attempts=3, retry_wait_s=0.0))
+    assert down.calls == 3
+    missing = _Flaky(loading.AutoTokenizer, 99, OSError("org/model is not a valid model identifier (404)"))
+    monkeypatch.setattr(loading, "AutoTokenizer", missing)
+    with pytest.raises(OSError, match=r"could not load the small model .*404"):
+        load_pair(LoadConfig(small=small, large=large, retry_wait_s=0.0))
+    assert missing.calls == 1  # not transient: no retry
+
+
+def test_what_counts_as_transient() -> None:
+    import errno
+    from types import SimpleNamespace
+
+    from ead_llm.loading import is_transient
+
+    http = type("HTTPError", (Exception,), {})
+    busy, gone = http("busy"), http("gone")
+    busy.response, gone.response = SimpleNamespace(status_code=503), SimpleNamespace(status_code=404)  # type: ignore[attr-defined]
+    wrapped = OSError("We couldn't connect to the Hub")
+    wrapped.__cause__ = ConnectionError("refused")
+    assert is_transient(ConnectionError()) and is_transient(TimeoutError()) and is_transient(busy)
+    assert is_transient(OSError(errno.EIO, "i/o error")) and is_transient(wrapped)
+    assert not is_transient(gone) and not is_transient(OSError("no file named config.json"))
+    assert not is_transient(ValueError("bad config")) and not is_transient(FileNotFoundError(errno.ENOENT, "x"))
+    with pytest.raises(ValueError, match="load_attempts"):
+        LoadConfig(small="a", large="b", load_attempts=0)
+    assert LoadConfig(small="a", large="b", load_attempts=2) == LoadConfig(small="a", large="b")
