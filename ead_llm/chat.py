@@ -16,6 +16,7 @@ from typing import Literal
 from transformers import PreTrainedTokenizerBase
 
 from ead_llm.engine import Prompt
+from ead_llm.validation import check_text
 
 PromptFormat = Literal["chat", "text"]
 ROLES = ("system", "user", "assistant")
@@ -32,7 +33,7 @@ def check_messages(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]
             raise ValueError(f"message role must be one of {ROLES}, got {role!r}")
         if not isinstance(text, str):
             raise ValueError(f"message text must be a string, got {type(text).__name__}")
-        out.append((role, text))
+        out.append((role, check_text("message text", text)))
     if not out:
         raise ValueError("a conversation needs at least one message")
     return out

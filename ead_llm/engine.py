@@ -35,7 +35,7 @@ from ead_llm.sampling import Sampler, SamplingParams, request_generator
 from ead_llm.speculative import SpeculativeDecoding
 from ead_llm.text import IncrementalDetokenizer, StopMatcher
 from ead_llm.types import FinishReason, ForwardWork, Role, TokenEvent
-from ead_llm.validation import check_float, check_int
+from ead_llm.validation import check_float, check_int, check_text
 
 Prompt = str | Sequence[int]
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -59,7 +59,9 @@ class Request:
     (The k-th of n samples of one prompt uses stream k, whichever way the n are asked for.)"""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str):
+        if isinstance(self.prompt, str):
+            check_text("prompt", self.prompt)
+        else:
             try:
                 ids = tuple(self.prompt)
             except TypeError:

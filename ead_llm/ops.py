@@ -22,10 +22,13 @@ def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Scale ``logits`` [..., V] by ``1 / temperature`` (temperature > 0)."""
+    """Scale ``logits`` [..., V] by ``1 / temperature`` (temperature > 0), after shifting each row's
+    maximum to 0: the same distribution, but a tiny temperature cannot overflow to inf (and NaN)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 here, got {temperature}")
-    return logits.float() / temperature
+    shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
+    # a temperature below float32's range divides by 0: the maxima stay 0, the rest go to -inf
+    return torch.where(shifted == 0, torch.zeros_like(shifted), shifted / temperature)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

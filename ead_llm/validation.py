@@ -69,3 +69,16 @@ def check_stop(value: Any) -> tuple[str, ...]:
         if item == "":
             raise ValueError(f"stop strings must not be empty, got {list(stops)!r}")
     return stops
+
+
+def check_text(name: str, value: str) -> str:
+    """Return ``value`` if it is encodable text; a lone surrogate (which no tokenizer can encode) is
+    refused with its position."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(
+            f"{name} must be valid Unicode text: it has a lone surrogate {value[err.start]!r} at index {err.start} "
+            "(decode bytes with errors='replace' or remove it)"
+        ) from None
+    return value
