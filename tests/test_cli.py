@@ -67,3 +67,33 @@ def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "/2 right" in out
     assert "completion_tokens" in out and "parameter_ratio" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--temperature", "-1"], "temperature must be in [0.0, 100.0], got -1.0"),
+        (["--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
+        (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
+        (["--top-k", "-3"], "top_k must be >= 0, got -3"),
+        (["--stop", ""], "stop strings must not be empty"),
+        (["--policy", "speculative", "--gamma", "0"], "gamma must be >= 1, got 0"),
+        (["--threshold", "-0.5"], "threshold must be >= 0.0, got -0.5"),
+        (["--seed", "-2"], "seed must be in [0, 9223372036854775807], got -2"),
+    ],
+)
+def test_cli_refusals_name_parameter_value_and_range(
+    llama_paths, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    small, large = map(str, llama_paths)
+    assert main(["generate", "12+35=", "--small", small, "--large", large, *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_bench_refuses_bad_settings(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    assert main(["bench", "--task", str(tmp_path / "missing.jsonl"), "--no-progress"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["bench", "--quick", "--budget", "2", "--no-progress"]) == 2
+    assert "budget must be in [0.0, 1.0], got 2.0" in capsys.readouterr().err
+    assert main(["bench", "--variants", "5", "--no-progress"]) == 2
+    assert "WINDOW:MIN_DWELL" in capsys.readouterr().err
