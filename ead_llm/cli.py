@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
+from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly, policy_tag
 from ead_llm.speculative import EASD, SpeculativeDecoding
 
 POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
@@ -82,7 +82,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     console = Console()
     threshold = args.threshold if args.threshold is not None else recommended_threshold()
-    llm = EntropyAdaptiveLLM(policy=EAD(threshold=threshold), max_tokens=400)
+    policy = EAD(threshold=threshold, window=1, min_dwell=1, lookahead=True) if args.lookahead else EAD(threshold)
+    llm = EntropyAdaptiveLLM(policy=policy, max_tokens=400)
     tasks = problems("test", args.problems, seed=args.seed)
     result = llm.generate([t.prompt for t in tasks])
     tokenizer = llm.shared_engine.tokenizer
@@ -109,7 +110,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             )
         )
     console.print(
-        f"EAD threshold {threshold} bits; large-model tokens in [bold magenta]magenta[/bold magenta]; "
+        f"{policy_tag(policy)}; large-model tokens in [bold magenta]magenta[/bold magenta]; "
         f"{right}/{len(tasks)} right. Cost of the call:"
     )
     console.print_json(json.dumps(result.llm_output["cost"] if result.llm_output else {}))
@@ -239,6 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
     demo.add_argument("--problems", type=int, default=5, help="how many test problems (default 5)")
     demo.add_argument("--seed", type=int, default=0, help="which test problems (default 0)")
+    demo.add_argument(
+        "--lookahead", action="store_true", help="EAD with lookahead, window 1, dwell 1 (the bench's dev choice)"
+    )
     demo.set_defaults(func=cmd_demo)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1")

@@ -67,6 +67,9 @@ def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     out = capsys.readouterr().out
     assert "/2 right" in out
     assert "completion_tokens" in out and "parameter_ratio" in out
+    assert main(["demo", "--problems", "2", "--lookahead"]) == 0
+    out = capsys.readouterr().out
+    assert "lookahead=True" in out and "preempted_tokens" in out
 
 
 @pytest.mark.parametrize(
