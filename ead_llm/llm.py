@@ -60,6 +60,7 @@ _STATE_FIELDS = (
     "seed",
     "stop",
     "ignore_eos",
+    "prompt_truncation",
     "timeout",
     "max_retries",
     "max_batch",
@@ -71,6 +72,8 @@ _STATE_FIELDS = (
     "cache_dir",
     "local_files_only",
     "trust_remote_code",
+    "load_attempts",
+    "retry_wait_s",
 )
 
 

@@ -33,6 +33,17 @@ CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed",
 """Settings a single call may override (``llm.invoke(x, policy=SmallOnly())`` or ``llm.bind(...)``)."""
 
 EMBEDDED_NAME = "embedded"
+LOAD_FIELDS = (
+    "device",
+    "dtype",
+    "revision",
+    "cache_dir",
+    "local_files_only",
+    "trust_remote_code",
+    "load_attempts",
+    "retry_wait_s",
+)
+"""The fields passed on to :class:`~ead_llm.loading.LoadConfig` as they are."""
 T = TypeVar("T")
 
 
@@ -108,6 +119,10 @@ class PairModel(BaseModel):
     """Never reach the network."""
     trust_remote_code: bool = False
     """Allow model code from the Hub."""
+    load_attempts: int = 4
+    """Tries per file set when loading meets transient network or file errors."""
+    retry_wait_s: float = 1.0
+    """First backoff between loading tries (doubled each time, at most 30 s)."""
 
     _engine: Engine = PrivateAttr()
 
@@ -142,16 +157,7 @@ class PairModel(BaseModel):
                 self.policy = EAD(threshold=recommended_threshold())
         else:
             small, large = self.small, self.large
-        config = LoadConfig(
-            small=small,
-            large=large,
-            device=self.device,
-            dtype=self.dtype,
-            revision=self.revision,
-            cache_dir=self.cache_dir,
-            local_files_only=self.local_files_only,
-            trust_remote_code=self.trust_remote_code,
-        )
+        config = LoadConfig(small=small, large=large, **{name: getattr(self, name) for name in LOAD_FIELDS})
         self._engine = shared_engine(config)
         self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
         if self.policy is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from ead_llm.engine import Engine
@@ -19,15 +20,12 @@ def _canonical(config: LoadConfig) -> LoadConfig:
         source = getattr(config, name)
         path = Path(source).expanduser()
         fields[name] = str(path.resolve()) if path.exists() else source
-    return LoadConfig(
+    return replace(
+        config,
         small=fields["small"],
         large=fields["large"],
         device=str(config.resolved_device()),
         dtype=str(config.resolved_dtype()).removeprefix("torch."),
-        revision=config.revision,
-        cache_dir=config.cache_dir,
-        local_files_only=config.local_files_only,
-        trust_remote_code=config.trust_remote_code,
     )
 
 

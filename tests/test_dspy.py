@@ -206,11 +206,12 @@ def test_unsupported_requests_say_what_to_use(llm: EntropyAdaptiveLLM) -> None:
 
 
 def test_state_round_trip(llm: EntropyAdaptiveLLM) -> None:
-    tuned = llm.copy(policy=LargeOnly(), temperature=0.5, rollout_id=3)
+    tuned = llm.copy(policy=LargeOnly(), temperature=0.5, rollout_id=3, prompt_truncation="left", load_attempts=2)
     state = tuned.dump_state()
     restored = dspy.BaseLM.load_state(state, allow_custom_lm_class=True)
     assert isinstance(restored, EntropyAdaptiveLLM)
     assert restored.policy == LargeOnly() and restored.temperature == 0.5 and restored.kwargs["rollout_id"] == 3
+    assert restored.prompt_truncation == "left" and restored.load_attempts == 2
     assert restored.shared_engine is llm.shared_engine
 
 
