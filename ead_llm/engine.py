@@ -723,6 +723,7 @@ class Engine:
             finish_reason=finish,
             counters=counters,
             path=seq.path,
+            prompt_tokens=seq.prompt_len if seq.generated == 1 and seq.path == 0 else 0,
         )
 
     def generate(
@@ -736,14 +737,13 @@ class Engine:
         _check_requests(requests)
         start = time.perf_counter()
         info = (self.pair.small.info, self.pair.large.info)
-        prompt_lengths = [len(self.prompt_ids(r)) for r in requests]
         ledgers: dict[tuple[int, int], CompletionLedger] = {}
         events: dict[tuple[int, int], list[TokenEvent]] = {}
         done: dict[int, float] = {}
         for event in self.stream(requests, timeout_s):
             key = (event.index, event.path)
-            if key not in ledgers:  # a branched path shares the prompt's prefill: its prompt costs nothing
-                ledgers[key] = CompletionLedger(*info, prompt_lengths[event.index] if event.path == 0 else 0, pricing)
+            if key not in ledgers:  # a branched path's events report no prompt: it shares the prefill
+                ledgers[key] = CompletionLedger(*info, pricing=pricing)
                 events[key] = []
             ledgers[key].record(event)
             events[key].append(event)

@@ -127,7 +127,10 @@ class Cost:
 class CompletionLedger:
     """Consumes the events of one sequence and reports its cost. Policies never touch it."""
 
-    def __init__(self, small: ModelInfo, large: ModelInfo, prompt_tokens: int, pricing: Pricing | None = None) -> None:
+    def __init__(
+        self, small: ModelInfo, large: ModelInfo, prompt_tokens: int = 0, pricing: Pricing | None = None
+    ) -> None:
+        """``prompt_tokens`` adds to what the events report (their ``prompt_tokens``)."""
         self._info = {Role.SMALL: small, Role.LARGE: large}
         self._pricing = pricing
         self.prompt_tokens = prompt_tokens
@@ -139,6 +142,7 @@ class CompletionLedger:
         self._counters: dict[str, int] = {}
 
     def record(self, event: TokenEvent) -> None:
+        self.prompt_tokens += event.prompt_tokens
         for name, count in event.counters:
             self._counters[name] = self._counters.get(name, 0) + count
         self._emitted[event.role] += 1

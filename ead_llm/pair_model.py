@@ -262,7 +262,7 @@ class PairModel(BaseModel):
             raise ValueError("EAGER answers by a vote once every path has finished: use invoke/generate, not stream")
         engine = self._engine
         pair = engine.pair
-        ledger = CompletionLedger(pair.small.info, pair.large.info, len(engine.prompt_ids(request)), self.pricing)
+        ledger = CompletionLedger(pair.small.info, pair.large.info, pricing=self.pricing)
         start = time.perf_counter()
         stream = engine.stream([request], self.timeout)
         try:

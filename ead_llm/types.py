@@ -60,3 +60,6 @@ class TokenEvent:
     counters: tuple[tuple[str, int], ...] = ()
     path: int = 0
     """Which path of its request wrote the token (EAGER branches; always 0 otherwise)."""
+    prompt_tokens: int = 0
+    """On a request's first event (path 0): the prompt tokens it decoded from, after any truncation;
+    0 on every other event, so that summing over events counts each prompt once."""

@@ -160,3 +160,9 @@ def test_lookahead_gives_the_unsure_position_itself_to_the_large_model() -> None
     pair, _, _ = make(hard)
     (plain,) = Engine(pair).generate([Request(prompt, EAD(1.0, 1, 1), SamplingParams(max_tokens=7))])
     assert "".join("L" if r is Role.LARGE else "S" for r in plain.roles) == "SSSLSSS"  # t3 is the small model's
+
+
+def test_the_first_event_reports_the_prompt_once() -> None:
+    pair, _, _ = make(set())
+    events = list(Engine(pair).stream([Request([1, 5, 6], SmallOnly(), SamplingParams(max_tokens=4))]))
+    assert [e.prompt_tokens for e in events] == [3, 0, 0, 0]
