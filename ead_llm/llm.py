@@ -42,7 +42,7 @@ from pydantic import ConfigDict, PrivateAttr
 from ead_llm.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
 from ead_llm.engine import Completion
 from ead_llm.ledger import Cost, Pricing
-from ead_llm.pair_model import CALL_OPTIONS, PairModel, iterate_in_thread
+from ead_llm.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
 from ead_llm.policies import check_policy, describe_policy, policy_from_description, policy_tag
 from ead_llm.types import Role
 
@@ -66,14 +66,7 @@ _STATE_FIELDS = (
     "max_batch",
     "kv_budget_tokens",
     "prompt_format",
-    "device",
-    "dtype",
-    "revision",
-    "cache_dir",
-    "local_files_only",
-    "trust_remote_code",
-    "load_attempts",
-    "retry_wait_s",
+    *LOAD_FIELDS,
 )
 
 
