@@ -127,13 +127,11 @@ class Cost:
 class CompletionLedger:
     """Consumes the events of one sequence and reports its cost. Policies never touch it."""
 
-    def __init__(
-        self, small: ModelInfo, large: ModelInfo, prompt_tokens: int = 0, pricing: Pricing | None = None
-    ) -> None:
-        """``prompt_tokens`` adds to what the events report (their ``prompt_tokens``)."""
+    def __init__(self, small: ModelInfo, large: ModelInfo, pricing: Pricing | None = None) -> None:
         self._info = {Role.SMALL: small, Role.LARGE: large}
         self._pricing = pricing
-        self.prompt_tokens = prompt_tokens
+        self.prompt_tokens = 0
+        """Counted from the events: a request's first event reports its prompt."""
         self._emitted = {Role.SMALL: 0, Role.LARGE: 0}
         self._processed = {Role.SMALL: 0, Role.LARGE: 0}
         self._flops = 0
