@@ -454,26 +454,20 @@ class Engine:
                 kind = "catch-up" if len(seq.tokens) - seq.caches[role].seen > 1 else "decode"
             groups.setdefault((role, kind), []).append(seq)
         for (role, kind), group in sorted(groups.items(), key=lambda item: (item[0][0].value, item[0][1])):
-            results = self._forward_group(role, kind, group)
-            if kind == "verify":
-                for seq, row_logits, row_work in results:
-                    try:
-                        self._verify(seq, row_logits, row_work)
-                    except Exception as exc:
-                        self._fail(seq, exc)
-                continue
-            entropies = entropy_bits(torch.stack([r[1] for r in results])).tolist() if results else []  # [B]
-            for (seq, row_logits, row_work), entropy in zip(results, entropies, strict=True):
+            for seq, row_logits, row_work, entropy in self._forward_group(role, kind, group):
                 try:
-                    self._next_token(seq, role, row_logits, row_work, entropy)
+                    if kind == "verify":
+                        self._verify(seq, row_logits, row_work)
+                    else:
+                        self._next_token(seq, role, row_logits, row_work, entropy)
                 except Exception as exc:  # this request fails; everyone else carries on
                     self._fail(seq, exc)
 
     def _forward_group(
         self, role: Role, kind: str, group: list[_Sequence]
-    ) -> list[tuple[_Sequence, torch.Tensor, ForwardWork]]:
+    ) -> list[tuple[_Sequence, torch.Tensor, ForwardWork, float]]:
         """One batched pass of ``role`` over ``group``: each sequence with its logits ([V], or [n, V] to
-        verify) and work, in group order.
+        verify), work and next-token entropy (bits; NaN when verifying), in group order.
 
         When a pass raises (out of memory, or a fault one row triggers), tenacity retries the rows not
         yet done in passes half as large, down to one row; a row that fails alone fails only its own
@@ -481,7 +475,7 @@ class Engine:
         only when it succeeds.
         """
         runner = self.runners[role]
-        done: dict[int, tuple[torch.Tensor, ForwardWork]] = {}
+        done: dict[int, tuple[torch.Tensor, ForwardWork, float]] = {}
         failed: set[int] = set()
 
         def run_in_passes(size: int) -> None:
@@ -492,9 +486,10 @@ class Engine:
                 try:
                     if kind == "verify":
                         per_row, work = runner.forward_all(rows)
+                        entropies = [math.nan] * len(rows)
                     else:
-                        logits, work = runner.forward(rows)  # [B, V]
-                        per_row = list(logits)
+                        logits, work = runner.forward(rows)  # logits: [B, V]
+                        per_row, entropies = list(logits), entropy_bits(logits).tolist()  # [B]
                 except Exception as exc:
                     if size > 1:
                         self.faults["retried_passes"] += 1
@@ -502,7 +497,7 @@ class Engine:
                     failed.add(chunk[0])
                     self._fail(group[chunk[0]], exc)
                     continue
-                done.update(zip(chunk, zip(per_row, work, strict=True), strict=True))
+                done.update(zip(chunk, zip(per_row, work, entropies, strict=True), strict=True))
 
         retrying = Retrying(
             stop=stop_after_attempt(len(group).bit_length() + 1),
