@@ -18,12 +18,13 @@ import time
 
 import torch
 
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.embedded import embedded_pair, recommended_threshold
-from ead_llm.engine import Completion, Engine, Request
-from ead_llm.loading import LoadConfig, load_pair
-from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import is_correct, problems
+from ead_llm.evaluation.task import is_correct, problems
+from ead_llm.policies.base import LargeOnly, Policy, SmallOnly
+from ead_llm.policies.switching import EAD
 
 
 def sequential(engine: Engine, requests: list[Request]) -> tuple[list[Completion], float]:

@@ -14,13 +14,14 @@ import argparse
 import json
 import time
 
-from ead_llm.eager import EAGER
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Request, SamplingParams
 from ead_llm.embedded import embedded_pair, recommended_threshold
-from ead_llm.engine import Engine, Request
-from ead_llm.loading import LoadConfig, load_pair
-from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly, describe_policy
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import is_correct, problems
+from ead_llm.evaluation.task import is_correct, problems
+from ead_llm.policies.base import LargeOnly, Policy, SmallOnly, describe_policy
+from ead_llm.policies.eager import EAGER
+from ead_llm.policies.switching import EAD
 
 DECODERS = {"small": SmallOnly, "large": LargeOnly, "ead": lambda: EAD(threshold=recommended_threshold())}
 

@@ -23,13 +23,14 @@ import time
 
 import torch
 
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Request, SamplingParams
 from ead_llm.embedded import embedded_pair
-from ead_llm.engine import Engine, Request
-from ead_llm.loading import LoadConfig, load_pair
-from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import problems
-from ead_llm.tiny import TinyShape, build_tiny_pair
+from ead_llm.evaluation.task import problems
+from ead_llm.policies.base import LargeOnly, Policy, SmallOnly
+from ead_llm.policies.switching import EAD
+from ead_llm.testing.tiny import TinyShape, build_tiny_pair
 
 SMALL = TinyShape(hidden=64, layers=2, heads=4, mlp=256)
 LARGE = TinyShape(hidden=256, layers=4, heads=8, mlp=768)

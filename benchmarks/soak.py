@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ead_llm import EAD, EAGER, EASD, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.controls import RandomSwitching
-from ead_llm.task import problems
+from ead_llm.evaluation.task import problems
+from ead_llm.policies.controls import RandomSwitching
 
 POLICIES = [
     EAD(threshold=0.05),

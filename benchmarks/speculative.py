@@ -16,14 +16,14 @@ import time
 
 import torch
 
+from ead_llm.accounting.ledger import Cost
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.embedded import embedded_pair
-from ead_llm.engine import Completion, Engine, Request
-from ead_llm.ledger import Cost
-from ead_llm.loading import LoadConfig, load_pair
-from ead_llm.policies import LargeOnly, Policy, describe_policy
-from ead_llm.sampling import SamplingParams
-from ead_llm.speculative import EASD, SpeculativeDecoding
-from ead_llm.task import is_correct, problems
+from ead_llm.evaluation.task import is_correct, problems
+from ead_llm.policies.base import LargeOnly, Policy, describe_policy
+from ead_llm.policies.speculative import EASD, SpeculativeDecoding
 
 
 def one_at_a_time(engine: Engine, requests: list[Request]) -> tuple[list[Completion], float]:

@@ -1,20 +1,46 @@
-"""ead-llm: a small and a large language model behaving as one cheaper large model."""
+"""ead-llm: a small and a large language model behaving as one cheaper large model.
 
-from ead_llm.chat_model import ChatEntropyAdaptive
-from ead_llm.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
-from ead_llm.dspy_adapter import CompletionAdapter
-from ead_llm.eager import EAGER
-from ead_llm.engine import Completion, Engine, Request
-from ead_llm.ledger import Cost, Pricing
-from ead_llm.llm import EntropyAdaptiveLLM
-from ead_llm.loading import LoadConfig, ModelPair, load_pair
-from ead_llm.policies import EAD, LargeOnly, Policy, SmallOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.speculative import EASD, SpeculativeDecoding
-from ead_llm.tracking import CostTracker, track_cost
-from ead_llm.types import FinishReason, Role, TokenEvent
+Every public name is importable from here; each is loaded on first use, so ``import ead_llm`` (and
+``import ead_llm.core``) does not import torch's model code, LangChain or DSPy until a name that
+needs them is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "ChatEntropyAdaptive": "ead_llm.adapters.langchain_chat",
+    "CompletionAdapter": "ead_llm.adapters.dspy_adapter",
+    "EntropyAdaptiveLLM": "ead_llm.adapters.langchain_llm",
+    "Cost": "ead_llm.accounting.ledger",
+    "Pricing": "ead_llm.accounting.ledger",
+    "CostTracker": "ead_llm.accounting.tracking",
+    "track_cost": "ead_llm.accounting.tracking",
+    "Completion": "ead_llm.core.request",
+    "Request": "ead_llm.core.request",
+    "SamplingParams": "ead_llm.core.request",
+    "Engine": "ead_llm.core.engine",
+    "LoadConfig": "ead_llm.core.loading",
+    "ModelPair": "ead_llm.core.loading",
+    "load_pair": "ead_llm.core.loading",
+    "FinishReason": "ead_llm.core.types",
+    "Role": "ead_llm.core.types",
+    "TokenEvent": "ead_llm.core.types",
+    "EAD": "ead_llm.policies.switching",
+    "LargeOnly": "ead_llm.policies.base",
+    "Policy": "ead_llm.policies.base",
+    "SmallOnly": "ead_llm.policies.base",
+    "EASD": "ead_llm.policies.speculative",
+    "SpeculativeDecoding": "ead_llm.policies.speculative",
+    "EAGER": "ead_llm.policies.eager",
+    "FixedBlockSwitching": "ead_llm.policies.controls",
+    "OracleSwitching": "ead_llm.policies.controls",
+    "RandomSwitching": "ead_llm.policies.controls",
+}
 
 __all__ = [
     "EAD",
@@ -45,3 +71,34 @@ __all__ = [
     "load_pair",
     "track_cost",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use (PEP 562)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ead_llm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])
+
+
+if TYPE_CHECKING:
+    from ead_llm.accounting.ledger import Cost, Pricing
+    from ead_llm.accounting.tracking import CostTracker, track_cost
+    from ead_llm.adapters.dspy_adapter import CompletionAdapter
+    from ead_llm.adapters.langchain_chat import ChatEntropyAdaptive
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.core.engine import Engine
+    from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
+    from ead_llm.core.request import Completion, Request, SamplingParams
+    from ead_llm.core.types import FinishReason, Role, TokenEvent
+    from ead_llm.policies.base import LargeOnly, Policy, SmallOnly
+    from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
+    from ead_llm.policies.eager import EAGER
+    from ead_llm.policies.speculative import EASD, SpeculativeDecoding
+    from ead_llm.policies.switching import EAD

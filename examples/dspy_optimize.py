@@ -3,7 +3,7 @@
 import dspy
 
 from ead_llm import CompletionAdapter, EntropyAdaptiveLLM, LargeOnly
-from ead_llm.task import problems
+from ead_llm.evaluation.task import problems
 
 lm = EntropyAdaptiveLLM(max_tokens=400)
 # The embedded pair completes its own task format; CompletionAdapter maps signatures onto it.

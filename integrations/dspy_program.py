@@ -20,7 +20,7 @@ from typing import Any
 import dspy
 
 from ead_llm import CompletionAdapter, EntropyAdaptiveLLM, LargeOnly, track_cost
-from ead_llm.task import consistency_errors, problems
+from ead_llm.evaluation.task import consistency_errors, problems
 
 
 class Solve(dspy.Signature):

@@ -18,7 +18,7 @@ from langchain_core.runnables import Runnable, RunnableLambda
 from langchain_core.tools import tool
 
 from ead_llm import EntropyAdaptiveLLM, LargeOnly, track_cost
-from ead_llm.task import consistency_errors, extract_answer, problems
+from ead_llm.evaluation.task import consistency_errors, extract_answer, problems
 
 
 @tool

@@ -13,7 +13,7 @@ from langchain_core.prompts import PromptTemplate
 from langchain_core.runnables import RunnableLambda
 
 from ead_llm import EntropyAdaptiveLLM, track_cost
-from ead_llm.task import extract_answer, problems
+from ead_llm.evaluation.task import extract_answer, problems
 
 
 @dataclass

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ead_llm.engine import Engine
-from ead_llm.loading import LoadConfig, ModelPair, load_pair
-from ead_llm.tiny import build_tiny_pair, byte_bpe_tokenizer
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
+from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM: no network fetch in tests

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ead_llm.loading import ModelPair
-from ead_llm.ops import entropy_bits
-from ead_llm.policies import Policy
-from ead_llm.types import Role
+from ead_llm.core.loading import ModelPair
+from ead_llm.core.ops import entropy_bits
+from ead_llm.core.types import Role
+from ead_llm.policies.base import Policy
 
 
 @torch.inference_mode()

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import torch
 from transformers import LlamaConfig
 
-from ead_llm.loading import LoadedModel, ModelInfo, ModelPair
-from ead_llm.tiny import char_tokenizer
-from ead_llm.types import Role
+from ead_llm.core.loading import LoadedModel, ModelInfo, ModelPair
+from ead_llm.core.types import Role
+from ead_llm.testing.tiny import char_tokenizer
 
 # logits_fn(position, sequence) -> [V] logits predicting the token at ``position``
 LogitsFn = Callable[[int, list[int]], torch.Tensor]

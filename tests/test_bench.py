@@ -8,7 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from ead_llm.bench import (
+from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.evaluation.bench import (
     BenchConfig,
     BenchTask,
     EADVariant,
@@ -21,15 +24,12 @@ from ead_llm.bench import (
     run_bench,
     write_report,
 )
-from ead_llm.bench.harness import fixed_block_for, planned_problems
-from ead_llm.bench.tasks import EXTRACTORS, hash_split
-from ead_llm.cli import main
-from ead_llm.controls import RandomSwitching
-from ead_llm.engine import Engine
-from ead_llm.evaluate import run_policy
-from ead_llm.llm import EntropyAdaptiveLLM
-from ead_llm.loading import LoadConfig, load_pair
-from ead_llm.policies import EAD
+from ead_llm.evaluation.bench.harness import fixed_block_for, planned_problems
+from ead_llm.evaluation.bench.tasks import EXTRACTORS, hash_split
+from ead_llm.evaluation.evaluate import run_policy
+from ead_llm.policies.controls import RandomSwitching
+from ead_llm.policies.switching import EAD
+from ead_llm.serving.cli import main
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ead_llm.chat import fallback_chat_text, has_chat_template, render
-from ead_llm.tiny import byte_bpe_tokenizer
+from ead_llm.adapters.prompts import fallback_chat_text, has_chat_template, render
+from ead_llm.testing.tiny import byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
 TURNS = [("system", "Be brief."), ("user", "12+35="), ("assistant", "47"), ("user", "and 1+1?")]

@@ -6,7 +6,7 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from ead_llm import EAD, ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly
-from ead_llm.chat import fallback_chat_text
+from ead_llm.adapters.prompts import fallback_chat_text
 from tests.tiny_pairs import chat_pair
 
 

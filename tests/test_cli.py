@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
-from ead_llm.cli import main
+from ead_llm.serving.cli import main
 
 
 def test_help_lists_commands() -> None:
-    out = subprocess.run([sys.executable, "-m", "ead_llm.cli", "--help"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "ead_llm.serving.cli", "--help"], capture_output=True, text=True, check=True
+    )
     assert "generate" in out.stdout and "demo" in out.stdout and "serve" in out.stdout
 
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ead_llm.controls import FixedBlockSwitching, RandomSwitching, block_draw
-from ead_llm.engine import Engine, Request
-from ead_llm.policies import describe_policy, policy_from_description
-from ead_llm.sampling import SamplingParams
-from ead_llm.stats import mcnemar_exact, wilson_interval
-from ead_llm.types import Role
+from ead_llm.core.engine import Engine
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.evaluation.stats import mcnemar_exact, wilson_interval
+from ead_llm.policies.base import describe_policy, policy_from_description
+from ead_llm.policies.controls import FixedBlockSwitching, RandomSwitching, block_draw
 
 
 def _roles(policy, tokens: int, key: int = 0) -> str:
@@ -101,7 +101,7 @@ def test_oracle_uses_the_large_model_exactly_where_top1_differs(pair) -> None:
 
 def test_oracle_on_the_embedded_pair_where_the_models_mostly_agree() -> None:
     from ead_llm import EntropyAdaptiveLLM
-    from ead_llm.task import problems
+    from ead_llm.evaluation.task import problems
 
     engine = EntropyAdaptiveLLM().shared_engine
     fractions = _check_oracle(engine, [p.prompt for p in problems("test", 6)], SamplingParams(max_tokens=400))
@@ -110,7 +110,7 @@ def test_oracle_on_the_embedded_pair_where_the_models_mostly_agree() -> None:
 
 def _check_oracle(engine: Engine, prompts: list[str], params: SamplingParams) -> list[float]:
     from ead_llm import LargeOnly
-    from ead_llm.controls import OracleSwitching
+    from ead_llm.policies.controls import OracleSwitching
 
     large = engine.generate([Request(p, LargeOnly(), params) for p in prompts])
     oracle = engine.generate([Request(p, OracleSwitching(), params) for p in prompts])

@@ -10,7 +10,7 @@ import pytest
 from dspy.utils.callback import BaseCallback
 
 from ead_llm import CompletionAdapter, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly
-from ead_llm.task import extract_answer, problems
+from ead_llm.evaluation.task import extract_answer, problems
 
 
 class Solve(dspy.Signature):

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from ead_llm import EAD, EAGER, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.engine import Engine, Request
-from ead_llm.ops import percentile, top_k_entropy_nats
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import problems
+from ead_llm.core.engine import Engine
+from ead_llm.core.ops import percentile, top_k_entropy_nats
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.evaluation.task import problems
 
 from .scripted import scripted_pair
 

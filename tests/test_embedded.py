@@ -8,8 +8,8 @@ import pytest
 
 from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly
 from ead_llm.embedded import EMBEDDED_DIR, pair_record, recommended_threshold
-from ead_llm.evaluate import run_policy
-from ead_llm.task import problems
+from ead_llm.evaluation.evaluate import run_policy
+from ead_llm.evaluation.task import problems
 
 MAX_SHIPPED_BYTES = 25 * 1024 * 1024
 

@@ -7,12 +7,13 @@ import statistics
 import pytest
 import torch
 
-from ead_llm.engine import Engine, Request
-from ead_llm.loading import ModelPair
-from ead_llm.policies import EAD, LargeOnly, SmallOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.text import first_stop
-from ead_llm.types import FinishReason, Role
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import ModelPair
+from ead_llm.core.output import first_stop
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import FinishReason, Role
+from ead_llm.policies.base import LargeOnly, SmallOnly
+from ead_llm.policies.switching import EAD
 
 from .reference import reference_greedy
 

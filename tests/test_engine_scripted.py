@@ -4,12 +4,13 @@ import math
 
 import pytest
 
-from ead_llm.engine import Engine, Request
-from ead_llm.ledger import Pricing
-from ead_llm.ops import forward_flops
-from ead_llm.policies import EAD, LargeOnly, SmallOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.types import FinishReason, Role
+from ead_llm.accounting.ledger import Pricing
+from ead_llm.core.engine import Engine
+from ead_llm.core.ops import forward_flops
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import FinishReason, Role
+from ead_llm.policies.base import LargeOnly, SmallOnly
+from ead_llm.policies.switching import EAD
 
 from .scripted import peaked, scripted_pair
 

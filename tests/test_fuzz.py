@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ead_llm import EAD, EAGER, EASD, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly, SpeculativeDecoding
-from ead_llm.controls import FixedBlockSwitching, RandomSwitching
-from ead_llm.sampling import SamplingParams
-from ead_llm.server import create_app
+from ead_llm.core.request import SamplingParams
+from ead_llm.policies.controls import FixedBlockSwitching, RandomSwitching
+from ead_llm.serving.server import create_app
 
 ANY = st.one_of(
     st.none(),

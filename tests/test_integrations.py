@@ -7,7 +7,7 @@ import math
 import dspy
 import pytest
 
-from ead_llm.task import consistency_errors
+from ead_llm.evaluation.task import consistency_errors
 from integrations import dspy_program, langchain_agent, langchain_chain
 
 
@@ -28,7 +28,7 @@ def test_lcel_chain_batches_and_streams() -> None:
 
 def test_agent_escalates_exactly_when_the_check_fails() -> None:
     from ead_llm import EntropyAdaptiveLLM
-    from ead_llm.task import problems
+    from ead_llm.evaluation.task import problems
 
     result = langchain_agent.run(n=12)
     llm = EntropyAdaptiveLLM(max_tokens=400)

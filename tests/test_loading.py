@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ead_llm.engine import Engine, Request
-from ead_llm.loading import LoadConfig, check_same_vocabulary, describe_model, load_pair
-from ead_llm.policies import LargeOnly
-from ead_llm.sampling import SamplingParams
-from ead_llm.tiny import SMALL_SHAPE, build_tiny_pair, char_tokenizer, tiny_model
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, check_same_vocabulary, describe_model, load_pair
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.policies.base import LargeOnly
+from ead_llm.testing.tiny import SMALL_SHAPE, build_tiny_pair, char_tokenizer, tiny_model
 
 
 def test_loads_offline_from_folders(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +124,7 @@ def test_default_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sliding_window_models_are_refused_with_a_reason() -> None:
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-    from ead_llm.runner import check_full_attention
+    from ead_llm.core.model_runner import check_full_attention
 
     for config in (
         LlamaConfig(),
@@ -153,7 +153,7 @@ class _Flaky:
 
 
 def test_loading_retries_transient_errors_with_backoff(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ead_llm.loading as loading
+    import ead_llm.core.loading as loading
 
     small, large = map(str, llama_paths)
     flaky = _Flaky(loading.AutoTokenizer, 2, ConnectionError("connection reset by peer"))
@@ -163,7 +163,7 @@ def test_loading_retries_transient_errors_with_backoff(llama_paths, monkeypatch:
 
 
 def test_loading_gives_up_with_a_clear_message(llama_paths, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ead_llm.loading as loading
+    import ead_llm.core.loading as loading
 
     small, large = map(str, llama_paths)
     down = _Flaky(loading.AutoTokenizer, 99, TimeoutError("read timed out"))
@@ -182,7 +182,7 @@ def test_what_counts_as_transient() -> None:
     import errno
     from types import SimpleNamespace
 
-    from ead_llm.loading import is_transient
+    from ead_llm.core.loading import is_transient
 
     http = type("HTTPError", (Exception,), {})
     busy, gone = http("busy"), http("gone")

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from ead_llm.ops import (
+from ead_llm.core.ops import (
     entropy_bits,
     forward_flops,
     parameter_ratio,

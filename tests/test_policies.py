@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from ead_llm.policies import EAD, LargeOnly, SmallOnly, check_policy, describe_policy, ead_target, rolling_mean
-from ead_llm.types import Role
+from ead_llm.core.types import Role
+from ead_llm.policies.base import LargeOnly, SmallOnly, check_policy, describe_policy
+from ead_llm.policies.switching import EAD, ead_target, rolling_mean
 
 
 def run(policy: EAD, entropies: list[float]) -> list[Role]:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.controls import RandomSwitching
-from ead_llm.engine import Engine, Request
-from ead_llm.sampling import SamplingParams
-from ead_llm.types import Role
+from ead_llm.core.engine import Engine
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.policies.controls import RandomSwitching
 
 PROMPTS = ["12+35=", "The quick brown fox", "a+b=", "x=1\ny=", "def add(a, b):", "99+1=", "Q: 3*4?", "hello"]
 

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly
-from ead_llm.engine import Engine, Request
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import problems
+from ead_llm.core.engine import Engine
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.evaluation.task import problems
 
 POLICIES = [EAD(threshold=0.05), SmallOnly(), LargeOnly(), EAD(threshold=0.2, min_dwell=3)]
 
@@ -104,7 +104,7 @@ def test_closing_a_stream_cancels_and_frees_its_slots(llama_pair) -> None:
 
 
 def test_a_failing_forward_fails_only_its_callers(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    from ead_llm.types import Role
+    from ead_llm.core.types import Role
 
     engine = Engine(llama_pair, max_batch=8)
     small_request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=40, ignore_eos=True))

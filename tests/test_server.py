@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 
 from ead_llm import EntropyAdaptiveLLM
-from ead_llm.server import create_app
-from ead_llm.task import problems
+from ead_llm.evaluation.task import problems
+from ead_llm.serving.server import create_app
 
 PROMPT = problems("test", 1)[0].prompt
 MODEL = "ead-llm/embedded"
@@ -132,7 +132,7 @@ def test_the_serve_command_starts_a_server(tmp_path) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "ead_llm.cli", "serve", "--port", str(port), "--max-batch", "8"]
+    command = [sys.executable, "-m", "ead_llm.serving.cli", "serve", "--port", str(port), "--max-batch", "8"]
     command += ["--log-level", "warning"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from ead_llm import EASD, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
-from ead_llm.engine import Engine, Request
-from ead_llm.ops import acceptance_probability, residual_probs, top_n_overlap, without_token
-from ead_llm.sampling import SamplingParams
-from ead_llm.speculative import SpecState
-from ead_llm.task import problems
-from ead_llm.types import Role
+from ead_llm.core.engine import Engine
+from ead_llm.core.ops import acceptance_probability, residual_probs, top_n_overlap, without_token
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.evaluation.task import problems
+from ead_llm.policies.speculative import SpecState
 
 from .scripted import scripted_pair
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ead_llm.task import (
+from ead_llm.evaluation.task import (
     ANSWER_PREFIX,
     Difficulty,
     accuracy,

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ead_llm.text import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
-from ead_llm.tiny import byte_bpe_tokenizer, char_tokenizer
+from ead_llm.core.output import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
+from ead_llm.testing.tiny import byte_bpe_tokenizer, char_tokenizer
 
 from .tiny_pairs import BPE_CORPUS
 

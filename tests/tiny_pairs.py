@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ead_llm.tiny import build_tiny_pair, byte_bpe_tokenizer
+from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 
 BPE_CORPUS = [
     "The quick brown fox jumps over the lazy dog. 12 + 35 = 47.",

@@ -14,13 +14,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, ModelInfo, load_pair
+from ead_llm.core.types import Role
 from ead_llm.embedded import EMBEDDED_DIR
-from ead_llm.engine import Engine
-from ead_llm.evaluate import PolicyRun, run_policy
-from ead_llm.loading import LoadConfig, ModelInfo, load_pair
-from ead_llm.policies import EAD, LargeOnly, SmallOnly
-from ead_llm.task import Difficulty, problems
-from ead_llm.types import Role
+from ead_llm.evaluation.evaluate import PolicyRun, run_policy
+from ead_llm.evaluation.task import Difficulty, problems
+from ead_llm.policies.base import LargeOnly, SmallOnly
+from ead_llm.policies.switching import EAD
 
 SWEEP = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8)
 
@@ -43,7 +44,7 @@ def card(name: str, record: dict[str, Any], info: ModelInfo, vocab: int, test: d
 
 Part of the default pair that ships inside `ead-llm` (`EntropyAdaptiveLLM()` with no model
 arguments). A Llama-architecture causal LM trained from scratch on the package's chain-arithmetic
-task (`ead_llm.task`): chains of {record["difficulty"]["min_steps"]}-{record["difficulty"]["max_steps"]}
+task (`ead_llm.evaluation.task`): chains of {record["difficulty"]["min_steps"]}-{record["difficulty"]["max_steps"]}
 additions and subtractions of {record["difficulty"]["min_digits"]}-{record["difficulty"]["max_digits"]}-digit
 numbers, solved column by column with carries and borrows written out, ending in `#### N`.
 
@@ -52,7 +53,7 @@ numbers, solved column by column with carries and borrows written out, ending in
 | parameters | {info.params:,} ({info.non_embedding_params:,} non-embedding) |
 | shape | hidden {shape["hidden"]}, {shape["layers"]} layers, {shape["heads"]} heads, MLP {shape["mlp"]} |
 | tokenizer | character level, {vocab} tokens, shared by the pair |
-| training data | train split of `ead_llm.task`, generated on the fly (seed {record["seed"]}); loss on the solution only |
+| training data | train split of `ead_llm.evaluation.task`, generated on the fly (seed {record["seed"]}); loss on the solution only |
 | training | {record["steps"]} steps of batch {record["batch"]}, AdamW, peak lr {record["peak_lr"]}, cosine; {record["train_seconds"] / 60:.1f} min on {record["threads"]} CPU threads ({record["machine"]}, torch {record["torch"]}) |
 | reproduce | `python -m ead_llm.embedded.train --size {name} --steps {record["steps"]} --batch {record["batch"]} --threads {record["threads"]} --out DIR` |
 | accuracy | {test["accuracy"]:.1%} exact match, greedy, on {n_test} test problems (`python -m ead_llm.embedded.finalize`) |

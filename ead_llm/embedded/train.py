@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from transformers import GenerationMixin, PreTrainedTokenizerFast
 
-from ead_llm.task import ALPHABET, Difficulty, Problem, accuracy, problems, random_problem, split_of
-from ead_llm.tiny import TinyShape, char_tokenizer, tiny_model
+from ead_llm.evaluation.task import ALPHABET, Difficulty, Problem, accuracy, problems, random_problem, split_of
+from ead_llm.testing.tiny import TinyShape, char_tokenizer, tiny_model
 
 SHAPES = {
     "small": TinyShape(hidden=64, layers=2, heads=4, mlp=256),

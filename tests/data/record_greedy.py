@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
-from ead_llm.engine import Engine, Request
-from ead_llm.policies import Policy
-from ead_llm.sampling import SamplingParams
-from ead_llm.task import problems
+from ead_llm.core.engine import Engine
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.evaluation.task import problems
+from ead_llm.policies.base import Policy
+from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
 
 REFERENCE = Path(__file__).with_name("greedy_reference.json")
 PROBLEMS = 100

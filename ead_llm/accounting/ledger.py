@@ -1,0 +1,179 @@
+"""The cost ledger: turns a sequence's token events into the cost dict of shared/API.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ead_llm.core.loading import ModelInfo
+from ead_llm.core.ops import forward_flops, parameter_ratio
+from ead_llm.core.types import Role, TokenEvent
+from ead_llm.core.validation import check_float
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """Prices in USD per million tokens for each model.
+
+    A model's input price applies to every position it processed (prompt prefill, catch-up,
+    fed-back tokens), its output price to every token it emitted.
+    """
+
+    small_input: float = 0.0
+    small_output: float = 0.0
+    large_input: float = 0.0
+    large_output: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("small_input", "small_output", "large_input", "large_output"):
+            check_float(f"pricing.{name}", getattr(self, name), minimum=0.0)
+
+    def usd(self, role: Role, processed: int, emitted: int) -> float:
+        price_in = self.small_input if role is Role.SMALL else self.large_input
+        price_out = self.small_output if role is Role.SMALL else self.large_output
+        return (processed * price_in + emitted * price_out) / 1e6
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What one completion (or a whole call, when summed) cost. ``to_dict()`` is the API's cost dict."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    small_tokens: int
+    large_tokens: int
+    switches: int
+    small_processed_tokens: int
+    large_processed_tokens: int
+    flops: int
+    wall_time_s: float
+    small_params: int
+    large_params: int
+    cost_usd: float | None = None
+    extra: dict[str, int | float] = field(default_factory=dict)
+    """Policy-specific counters, summed over a call."""
+
+    @property
+    def large_fraction(self) -> float:
+        return self.large_tokens / self.completion_tokens if self.completion_tokens else 0.0
+
+    @property
+    def parameter_ratio(self) -> float:
+        return parameter_ratio(self.large_fraction, self.small_params, self.large_params)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "small_tokens": self.small_tokens,
+            "large_tokens": self.large_tokens,
+            "large_fraction": self.large_fraction,
+            "switches": self.switches,
+            "small_processed_tokens": self.small_processed_tokens,
+            "large_processed_tokens": self.large_processed_tokens,
+            "flops": self.flops,
+            "parameter_ratio": self.parameter_ratio,
+            "wall_time_s": self.wall_time_s,
+        }
+        if self.cost_usd is not None:
+            out["cost_usd"] = self.cost_usd
+        out.update(self.extra)
+        if self.extra.get("drafted_tokens"):
+            out["acceptance_rate"] = self.extra.get("accepted_tokens", 0) / self.extra["drafted_tokens"]
+        return out
+
+    @staticmethod
+    def from_dict(cost: dict[str, Any], *, small_params: int, large_params: int) -> Cost:
+        """Inverse of :meth:`to_dict` (the derived keys are recomputed, policy counters kept)."""
+        derived = {"total_tokens", "large_fraction", "parameter_ratio", "acceptance_rate"}
+        names = {f.name for f in fields(Cost)} - {"small_params", "large_params", "extra"}
+        return Cost(
+            **{k: cost[k] for k in names if k in cost},
+            small_params=small_params,
+            large_params=large_params,
+            extra={k: v for k, v in cost.items() if k not in names | derived},
+        )
+
+    @staticmethod
+    def total(costs: Iterable[Cost], *, wall_time_s: float) -> Cost:
+        """Sum of completions' costs for one call that took ``wall_time_s`` (not a sum of times)."""
+        items = list(costs)
+        if not items:
+            raise ValueError("cannot sum an empty list of costs")
+        extra: dict[str, int | float] = {}
+        for item in items:
+            for key, value in item.extra.items():
+                extra[key] = extra.get(key, 0) + value
+        usd = [c.cost_usd for c in items]
+        return Cost(
+            prompt_tokens=sum(c.prompt_tokens for c in items),
+            completion_tokens=sum(c.completion_tokens for c in items),
+            small_tokens=sum(c.small_tokens for c in items),
+            large_tokens=sum(c.large_tokens for c in items),
+            switches=sum(c.switches for c in items),
+            small_processed_tokens=sum(c.small_processed_tokens for c in items),
+            large_processed_tokens=sum(c.large_processed_tokens for c in items),
+            flops=sum(c.flops for c in items),
+            wall_time_s=wall_time_s,
+            small_params=items[0].small_params,
+            large_params=items[0].large_params,
+            cost_usd=None if any(u is None for u in usd) else sum(u for u in usd if u is not None),
+            extra=extra,
+        )
+
+
+class CompletionLedger:
+    """Consumes the events of one sequence and reports its cost. Policies never touch it."""
+
+    def __init__(self, small: ModelInfo, large: ModelInfo, pricing: Pricing | None = None) -> None:
+        self._info = {Role.SMALL: small, Role.LARGE: large}
+        self._pricing = pricing
+        self.prompt_tokens = 0
+        """Counted from the events: a request's first event reports its prompt."""
+        self._emitted = {Role.SMALL: 0, Role.LARGE: 0}
+        self._processed = {Role.SMALL: 0, Role.LARGE: 0}
+        self._flops = 0
+        self._switches = 0
+        self._last: Role | None = None
+        self._counters: dict[str, int] = {}
+
+    def record(self, event: TokenEvent) -> None:
+        self.prompt_tokens += event.prompt_tokens
+        for name, count in event.counters:
+            self._counters[name] = self._counters.get(name, 0) + count
+        self._emitted[event.role] += 1
+        if self._last is not None and event.role is not self._last:
+            self._switches += 1
+        self._last = event.role
+        for work in event.work:
+            info = self._info[work.role]
+            self._processed[work.role] += work.tokens
+            self._flops += forward_flops(
+                new_tokens=work.tokens,
+                past_tokens=work.past,
+                non_embedding_params=info.non_embedding_params,
+                num_layers=info.num_layers,
+                attention_width=info.attention_width,
+            )
+
+    def cost(self, wall_time_s: float) -> Cost:
+        usd = None
+        if self._pricing is not None:
+            usd = sum(self._pricing.usd(role, self._processed[role], self._emitted[role]) for role in Role)
+        return Cost(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self._emitted[Role.SMALL] + self._emitted[Role.LARGE],
+            small_tokens=self._emitted[Role.SMALL],
+            large_tokens=self._emitted[Role.LARGE],
+            switches=self._switches,
+            small_processed_tokens=self._processed[Role.SMALL],
+            large_processed_tokens=self._processed[Role.LARGE],
+            flops=self._flops,
+            wall_time_s=wall_time_s,
+            small_params=self._info[Role.SMALL].params,
+            large_params=self._info[Role.LARGE].params,
+            cost_usd=usd,
+            extra=dict(self._counters),
+        )

@@ -1,0 +1,187 @@
+"""The DSPy engine of ``EntropyAdaptiveLLM``: ``complete(lm15.Request) -> lm15.Response`` on the pair.
+
+This is DSPy 3.4's supported route for a custom LM (``dspy.LM(model, engine=..., async_engine=...)``).
+DSPy owns the cache, history, usage tracking and the ``n`` candidates (one ``complete`` per
+candidate); this engine turns one canonical request into one engine call. Candidate ``k`` of a DSPy
+call draws from the seed's random stream ``k``, so ``n=3`` at a temperature gives three different
+samples, the same three every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+from dspy.clients.engines.base import validate_request
+from dspy.lm15 import (
+    Message,
+    Response,
+    StreamDeltaEvent,
+    StreamEndEvent,
+    StreamStartEvent,
+    TextDelta,
+    UnsupportedFeatureError,
+    Usage,
+)
+from dspy.lm15 import Request as LMRequest
+
+from ead_llm.accounting.ledger import Cost
+from ead_llm.adapters.pair_model import iterate_in_thread
+from ead_llm.adapters.prompts import render
+from ead_llm.core.request import Request
+
+if TYPE_CHECKING:
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+
+_CANDIDATES: ContextVar[itertools.count[int] | None] = ContextVar("ead_llm_dspy_candidates", default=None)
+
+
+@contextmanager
+def candidate_scope() -> Iterator[None]:
+    """Number the ``complete`` calls of one DSPy call: the k-th draws from random stream k."""
+    token = _CANDIDATES.set(itertools.count())
+    try:
+        yield
+    finally:
+        _CANDIDATES.reset(token)
+
+
+def _next_candidate() -> int | None:
+    counter = _CANDIDATES.get()
+    return None if counter is None else next(counter)
+
+
+def _text_of(parts: Any) -> str:
+    return "".join(getattr(p, "text", "") or "" for p in parts)
+
+
+def _messages(request: LMRequest) -> list[tuple[str, str]]:
+    """``(role, text)`` turns of a canonical request; refuses content the pair cannot read."""
+    turns: list[tuple[str, str]] = []
+    if request.system is not None:
+        turns.append(("system", request.system if isinstance(request.system, str) else _text_of(request.system)))
+    for message in request.messages:
+        kinds = {type(p).__name__ for p in message.parts} - {"TextPart"}
+        if kinds or message.role not in ("user", "assistant"):
+            raise UnsupportedFeatureError(
+                f"ead-llm pairs read text turns from users and the assistant only; got a {message.role} message "
+                f"with {sorted(kinds) or 'text'} parts"
+            )
+        turns.append((message.role, _text_of(message.parts)))
+    return turns
+
+
+_UNSUPPORTED_CONFIG = (
+    "response_format",
+    "tool_choice",
+    "reasoning",
+    "logprobs",
+    "probabilities",
+    "frequency_penalty",
+    "presence_penalty",
+)
+
+
+def _options(request: LMRequest) -> dict[str, Any]:
+    """Per-call sampling overrides carried by ``request.config``."""
+    config = request.config
+    refused = [name for name in _UNSUPPORTED_CONFIG if getattr(config, name, None) is not None]
+    if request.tools or refused or config.extensions:
+        names = refused + (["tools"] if request.tools else []) + sorted(config.extensions or {})
+        raise UnsupportedFeatureError(
+            f"ead-llm cannot honour {names}: use a text adapter "
+            "(ChatAdapter, or CompletionAdapter on the embedded pair)"
+        )
+    options = {
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "max_tokens": config.max_tokens,
+        "seed": config.seed,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+class PairEngine:
+    """Sync DSPy engine over the owner's shared engine (created per use; holds no state of its own)."""
+
+    supports_function_calling = False
+    supports_reasoning = False
+    supports_response_schema = False
+    supported_params = frozenset({"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n"})
+
+    def __init__(self, owner: EntropyAdaptiveLLM) -> None:
+        self.owner = owner
+
+    def _request(self, request: LMRequest) -> Request:
+        validate_request(request)
+        owner = self.owner
+        prompt = render(owner.shared_engine.tokenizer, _messages(request), owner.model_type)
+        stop = list(request.config.stop) or None
+        (engine_request,) = owner._requests([prompt], stop, _options(request), sample_index=_next_candidate())
+        return engine_request
+
+    def _provider_data(self, cost: Cost, models: str) -> dict[str, Any]:
+        return {
+            "cost": cost.to_dict(),
+            "models": models,
+            "small_params": cost.small_params,
+            "large_params": cost.large_params,
+        }
+
+    def complete(self, request: LMRequest) -> Response:
+        """Run one candidate to completion."""
+        engine_request = self._request(request)
+        (completion,), cost = self.owner._run([engine_request])
+        return Response(
+            id=None,
+            model=request.model,
+            message=Message.assistant(completion.text),
+            finish_reason=completion.finish_reason.value,
+            usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
+            provider_data=self._provider_data(cost, "".join(r.letter for r in completion.roles)),
+        )
+
+    def stream(self, request: LMRequest) -> Iterator[Any]:
+        """lm15 stream events: start, one text delta per token, end with usage and the cost."""
+        engine_request = self._request(request)
+        yield StreamStartEvent(model=request.model)
+        models = []
+        for event, cost in self.owner._stream_events(engine_request):
+            models.append(event.role.letter)
+            if event.text:
+                yield StreamDeltaEvent(delta=TextDelta(text=event.text))
+            if cost is not None and event.finish_reason is not None:
+                yield StreamEndEvent(
+                    finish_reason=event.finish_reason.value,
+                    usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
+                    provider_data=self._provider_data(cost, "".join(models)),
+                )
+
+    def close(self) -> None:
+        """Nothing to close: the shared engine outlives every LM object."""
+
+
+class AsyncPairEngine:
+    """Async DSPy engine: runs the sync engine in a worker thread so the event loop stays free."""
+
+    supports_function_calling = False
+    supports_reasoning = False
+    supports_response_schema = False
+
+    def __init__(self, sync: PairEngine) -> None:
+        self.sync = sync
+
+    async def complete(self, request: LMRequest) -> Response:
+        return await asyncio.to_thread(self.sync.complete, request)
+
+    async def stream(self, request: LMRequest) -> AsyncIterator[Any]:
+        async for event in iterate_in_thread(self.sync.stream(request)):
+            yield event
+
+    async def aclose(self) -> None:
+        """Nothing to close."""

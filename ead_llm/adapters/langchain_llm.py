@@ -1,0 +1,456 @@
+"""``EntropyAdaptiveLLM``: the pair as a LangChain LLM and a DSPy LM at once, over the shared engine.
+
+DSPy side: the object is a ``dspy.LM`` on DSPy 3.4's custom-engine route (``engine=PairEngine``,
+``async_engine=AsyncPairEngine``). ``dspy.LM.__init__`` is not called, because it would overwrite
+LangChain's ``cache`` and ``callbacks``; the DSPy state it would set is declared here instead.
+How the two frameworks' overlapping names are resolved:
+
+- ``cache``: LangChain's field (a ``BaseCache``, True, False or None). DSPy calls use DSPy's
+  cache unless ``cache`` is False.
+- ``callbacks``: LangChain's handlers. DSPy callbacks are the ones registered with
+  ``dspy.configure(callbacks=[...])``; they see ``on_lm_start``/``on_lm_end`` for every call.
+- ``copy(**kwargs)``: DSPy's meaning (``copy(rollout_id=1, temperature=1.0)``): a new object with
+  those settings, its own history, the same engine. Pydantic's deprecated ``copy`` is replaced;
+  ``model_copy`` is still pydantic's.
+- ``engine``: DSPy's meaning (its engine object); the decoding engine is ``shared_engine``.
+- ``model``: DSPy's name of this LM, ``ead-llm/<pair>@<policy>``; it is part of DSPy's cache key,
+  so two policies never share cached answers.
+- ``copy.deepcopy`` (DSPy's ``Module.deepcopy``, LangChain chains) makes a ``copy()``: the weights
+  are never cloned. Equality and hashing are by identity.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, Literal
+
+import dspy
+from dspy.clients.base_lm import LM_CLASS_STATE_KEY, BaseLM
+from dspy.clients.provider import Provider
+from dspy.utils.callback_context import ACTIVE_CALL_ID
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun, Callbacks
+from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models.llms import BaseLLM
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from pydantic import ConfigDict, PrivateAttr
+
+from ead_llm.accounting.ledger import Cost, Pricing
+from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
+from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
+from ead_llm.core.request import Completion
+from ead_llm.core.types import Role
+from ead_llm.policies.base import check_policy, describe_policy, policy_from_description, policy_tag
+
+logger = logging.getLogger(__name__)
+
+_DSPY_CALL = BaseLM.__call__.__wrapped__
+_DSPY_ACALL = BaseLM.acall.__wrapped__
+_STATE_FIELDS = (
+    "small",
+    "large",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "prompt_truncation",
+    "timeout",
+    "max_retries",
+    "max_batch",
+    "kv_budget_tokens",
+    "prompt_format",
+    *LOAD_FIELDS,
+)
+
+
+class _DSPyKwargs(dict[str, Any]):
+    """``lm.kwargs`` as DSPy reads it: the sampling fields plus extra request keys (``rollout_id``).
+
+    A fresh view on each read; writes go back to the LM (a field, or an extra key).
+    """
+
+    def __init__(self, owner: EntropyAdaptiveLLM) -> None:
+        super().__init__(owner._dspy_request_defaults())
+        self._owner = owner
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._owner._set_dspy_kwarg(key, value)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        self._owner._set_dspy_kwarg(key, None)
+        super().__delitem__(key)
+
+
+class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
+    """A small and a large causal LM behaving as one LLM, the large one spent where text is hard.
+
+    With no ``small``/``large`` it runs the embedded default pair offline. Every sampling setting and
+    the policy can be overridden per call (``llm.invoke(x, policy=SmallOnly())``, ``llm.bind(...)``,
+    or in DSPy ``lm.copy(policy=...)``). Each completion's cost dict is in
+    ``generation_info["cost"]``; the call's sum in ``llm_output["cost"]`` beside
+    ``llm_output["token_usage"]``; in DSPy, in ``lm.history[i]["ead_cost"]``.
+    """
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    # DSPy's LM state (what dspy.LM.__init__ would set), declared so pydantic accepts it.
+    _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _dspy_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
+    _engine_store: dict[Any, Any] = PrivateAttr(default_factory=dict)
+    _engine_lock: Any = PrivateAttr(default_factory=threading.RLock)
+    _providers: tuple[Any, ...] = PrivateAttr(default=())
+    _warned_zero_temp_rollout: bool = PrivateAttr(default=False)
+    num_retries: ClassVar[int] = 0  # the engine retries out-of-memory failures itself (max_retries)
+    provider: ClassVar[Provider] = Provider()
+    use_developer_role: ClassVar[bool] = False
+
+    __hash__ = object.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    # -- DSPy's view ------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        """DSPy's name of this LM: the pair and the policy (both decide the output)."""
+        return f"ead-llm/{self.pair_name}@{policy_tag(self._policy())}" + (",ignore_eos" if self.ignore_eos else "")
+
+    @property
+    def model_type(self) -> Literal["chat", "text"]:
+        """``chat`` (chat template) or ``text`` (raw completion prompt): see ``prompt_format``."""
+        return self.resolved_prompt_format
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """DSPy's call history of this object."""
+        return self._history
+
+    @history.setter
+    def history(self, value: list[dict[str, Any]]) -> None:
+        self._history = value
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """DSPy's default request parameters: the sampling fields, plus extra keys such as ``rollout_id``."""
+        return _DSPyKwargs(self)
+
+    @kwargs.setter
+    def kwargs(self, value: dict[str, Any]) -> None:
+        self._dspy_extra = {}
+        for key, item in value.items():
+            self._set_dspy_kwarg(key, item)
+
+    def _dspy_request_defaults(self) -> dict[str, Any]:
+        defaults: dict[str, Any] = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
+        if self.top_k:
+            defaults["top_k"] = self.top_k
+        if self.stop:
+            defaults["stop"] = list(self.stop)
+        return {**{k: v for k, v in defaults.items() if v is not None}, **self._dspy_extra}
+
+    def _set_dspy_kwarg(self, key: str, value: Any) -> None:
+        if key in ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop"):
+            self._sampling({key: value}, value if key == "stop" else None)  # validates
+            setattr(self, key, value)
+        elif value is None:
+            self._dspy_extra.pop(key, None)
+        else:
+            self._dspy_extra[key] = value
+
+    @property
+    def _engine_spec(self) -> PairEngine:
+        return PairEngine(self)
+
+    @property
+    def _async_engine_spec(self) -> AsyncPairEngine:
+        return AsyncPairEngine(PairEngine(self))
+
+    @property
+    def supports_function_calling(self) -> bool:
+        return False
+
+    @property
+    def supports_reasoning(self) -> bool:
+        return False
+
+    @property
+    def supports_response_schema(self) -> bool:
+        return False
+
+    def _dspy_cache(self) -> bool:
+        return self.cache is not False
+
+    def __call__(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
+        """DSPy call: ``lm("text")`` / ``lm(messages=[...])`` return a list of outputs."""
+        kwargs.setdefault("cache", self._dspy_cache())
+        inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+            return finish(_DSPY_CALL(self, prompt, messages=messages, **kwargs))
+
+    async def acall(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
+        """Async DSPy call."""
+        kwargs.setdefault("cache", self._dspy_cache())
+        inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+            return finish(await _DSPY_ACALL(self, prompt, messages=messages, **kwargs))
+
+    def copy(self, **kwargs: Any) -> EntropyAdaptiveLLM:
+        """DSPy's copy: a new LM with updated settings, its own history, sharing the engine.
+
+        Field names (``temperature``, ``policy``, ...) set fields; other keys (``rollout_id``) become
+        DSPy request parameters, None removing one.
+        """
+        if "engine" in kwargs or "async_engine" in kwargs:
+            raise ValueError("an EntropyAdaptiveLLM's engine is its pair: copy(small=..., large=...) to change it")
+        if "model" in kwargs:
+            raise ValueError("model is derived from the pair and policy: copy(small=..., large=..., policy=...)")
+        names = set(type(self).model_fields)
+        updates = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        current = {k: getattr(self, k) for k in self.model_fields_set | {"policy"} if k in names}
+        copied = type(self)(**{**current, **updates})
+        copied._dspy_extra = dict(self._dspy_extra)
+        for key, value in kwargs.items():
+            copied._set_dspy_kwarg(key, value)
+        return copied
+
+    def __deepcopy__(self, memo: dict[int, Any] | None = None) -> EntropyAdaptiveLLM:
+        """A ``copy()``: same engine and weights, own history."""
+        return self.copy()
+
+    def __getstate__(self) -> dict[Any, Any]:
+        """Pickle without DSPy's lock and engine pools (the engine pickles as its load settings)."""
+        state = super().__getstate__()
+        private = dict(state.get("__pydantic_private__") or {})
+        private.pop("_engine_lock", None)
+        private.pop("_engine_store", None)
+        return {**state, "__pydantic_private__": private}
+
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        super().__setstate__(state)
+        self._engine_lock = threading.RLock()
+        self._engine_store = {}
+
+    def update_history(self, entry: dict[str, Any]) -> None:
+        """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording."""
+        responses = entry.get("response")
+        costs = []
+        for response in responses if isinstance(responses, (list, tuple)) else [responses]:
+            data = getattr(response, "provider_data", None)
+            if isinstance(data, dict) and "cost" in data:
+                costs.append(
+                    Cost.from_dict(data["cost"], small_params=data["small_params"], large_params=data["large_params"])
+                )
+        if costs:
+            total = Cost.total(costs, wall_time_s=sum(c.wall_time_s for c in costs)).to_dict()
+            entry["ead_cost"] = total
+            if entry.get("cost") is None and "cost_usd" in total:
+                entry["cost"] = total["cost_usd"]
+        super().update_history(entry)
+
+    def dump_state(self) -> dict[str, Any]:
+        """JSON state for DSPy's ``save``: the settings and the policy (never the weights)."""
+        state: dict[str, Any] = {
+            LM_CLASS_STATE_KEY: f"{type(self).__module__}.{type(self).__qualname__}",
+            **{name: getattr(self, name) for name in _STATE_FIELDS},
+            "policy": describe_policy(self._policy()),
+            "pricing": None if self.pricing is None else vars(self.pricing),
+        }
+        if self._dspy_extra:
+            state["dspy_kwargs"] = dict(self._dspy_extra)
+        return state
+
+    @classmethod
+    def load_state(cls, state: dict[str, Any], *, allow_custom_lm_class: bool = False) -> EntropyAdaptiveLLM:
+        """Rebuild from :meth:`dump_state` (loads the pair through the shared-engine registry)."""
+        state = {k: v for k, v in state.items() if k != LM_CLASS_STATE_KEY}
+        extra = state.pop("dspy_kwargs", {})
+        if isinstance(state.get("policy"), dict):
+            state["policy"] = policy_from_description(state["policy"])
+        if isinstance(state.get("pricing"), dict):
+            state["pricing"] = Pricing(**state["pricing"])
+        llm = cls(**state)
+        for key, value in extra.items():
+            llm._set_dspy_kwarg(key, value)
+        return llm
+
+    # -- LangChain's view -------------------------------------------------------------------------
+
+    @property
+    def _llm_type(self) -> str:
+        return "entropy-adaptive"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return self._identity()
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "ead-llm"
+        params["ls_model_name"] = self.pair_name
+        return params
+
+    def _bound(self, options: dict[str, Any]) -> EntropyAdaptiveLLM:
+        """This object with per-call options applied (so LangChain's cache key sees them)."""
+        if "policy" in options:
+            check_policy(options["policy"])
+        self._sampling(options, None)
+        bound = self.model_copy(update=options)
+        bound._history = self._history
+        return bound
+
+    def generate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
+    ) -> LLMResult:
+        """LangChain's generate; per-call options (``policy=...``) take part in the cache key."""
+        options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
+        if options:
+            return self._bound(options).generate(prompts, stop, callbacks, **kwargs)
+        return super().generate(prompts, stop, callbacks, **kwargs)
+
+    async def agenerate(  # type: ignore[override]
+        self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
+    ) -> LLMResult:
+        """Async generate, with the same handling of per-call options."""
+        options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
+        if options:
+            return await self._bound(options).agenerate(prompts, stop, callbacks, **kwargs)
+        return await super().agenerate(prompts, stop, callbacks, **kwargs)
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        requests = self._requests(prompts, stop, kwargs)
+        completions, total = self._run(requests)
+        return LLMResult(
+            generations=[[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions],
+            llm_output={
+                "token_usage": {
+                    "prompt_tokens": total.prompt_tokens,
+                    "completion_tokens": total.completion_tokens,
+                    "total_tokens": total.prompt_tokens + total.completion_tokens,
+                },
+                "cost": total.to_dict(),
+                "model_name": self.pair_name,
+                "policy": describe_policy(requests[0].policy if requests else self._policy()),
+            },
+        )
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        (request,) = self._requests([prompt], stop, kwargs)
+        for event, cost in self._stream_events(request):
+            chunk = GenerationChunk(
+                text=event.text, generation_info=_chunk_info(event.role, event.token_id, event.entropy)
+            )
+            if cost is not None and event.finish_reason is not None:
+                chunk.generation_info = {
+                    **(chunk.generation_info or {}),
+                    "finish_reason": event.finish_reason.value,
+                    "cost": cost.to_dict(),
+                }
+            if run_manager is not None:
+                run_manager.on_llm_new_token(event.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        iterator = self._stream(prompt, stop, None, **kwargs)
+        async for chunk in iterate_in_thread(iterator):
+            if run_manager is not None:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+def _chunk_info(role: Role, token_id: int, entropy: float) -> dict[str, Any]:
+    """Lists and strings, so that LangChain's chunk merging concatenates them."""
+    return {"models": role.letter, "token_ids": [token_id], "entropies": [entropy]}
+
+
+def _generation_info(completion: Completion) -> dict[str, Any]:
+    """``models`` has one letter per token: S (small) or L (large); EAGER adds its vote."""
+    info: dict[str, Any] = {
+        "finish_reason": completion.finish_reason.value,
+        "cost": completion.cost.to_dict(),
+        "models": "".join(r.letter for r in completion.roles),
+        "token_ids": list(completion.token_ids),
+        "entropies": list(completion.entropies),
+    }
+    if completion.votes is not None:
+        branches = completion.cost.extra.get("branches", 0)
+        info.update(votes=completion.votes, paths=completion.paths, branches=branches, chosen_path=completion.path)
+    return info
+
+
+@contextmanager
+def _dspy_callbacks(lm: EntropyAdaptiveLLM, inputs: dict[str, Any]) -> Iterator[Callable[[Any], Any]]:
+    """DSPy's ``on_lm_start``/``on_lm_end`` for the callbacks in ``dspy.settings.callbacks``.
+
+    (DSPy's own decorator also reads ``lm.callbacks``, which on this object are LangChain's.)
+    """
+    callbacks = list(dspy.settings.get("callbacks", None) or [])
+    if not callbacks:
+        yield lambda outputs: outputs
+        return
+    call_id = uuid.uuid4().hex
+    for callback in callbacks:
+        try:
+            callback.on_lm_start(call_id=call_id, instance=lm, inputs=inputs)
+        except Exception as exc:  # a failing callback must not fail the call (DSPy's rule)
+            logger.warning("DSPy callback %r failed on_lm_start: %s", callback, exc)
+    token = ACTIVE_CALL_ID.set(call_id)
+    result: dict[str, Any] = {"outputs": None}
+
+    def finish(outputs: Any) -> Any:
+        result["outputs"] = outputs
+        return outputs
+
+    error: BaseException | None = None
+    try:
+        yield finish
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        ACTIVE_CALL_ID.reset(token)
+        for callback in callbacks:
+            try:
+                callback.on_lm_end(call_id=call_id, outputs=result["outputs"], exception=error)
+            except Exception as exc:
+                logger.warning("DSPy callback %r failed on_lm_end: %s", callback, exc)

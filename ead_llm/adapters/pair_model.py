@@ -1,0 +1,279 @@
+"""``PairModel``: the settings and engine access that every framework adapter shares.
+
+``EntropyAdaptiveLLM`` (LangChain LLM + DSPy LM) and ``ChatEntropyAdaptive`` (LangChain chat
+model) are thin adapters over this: they turn their framework's input into engine requests with
+:meth:`PairModel._requests`, run them with :meth:`PairModel._run` or
+:meth:`PairModel._stream_events`, and convert the one result type at their edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
+from ead_llm.accounting.tracking import report
+from ead_llm.adapters.prompts import PromptFormat
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig
+from ead_llm.core.registry import shared_engine
+from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
+from ead_llm.core.types import TokenEvent
+from ead_llm.core.validation import check_float, check_int, check_stop
+from ead_llm.embedded import embedded_pair, recommended_threshold
+from ead_llm.policies.base import Policy, check_policy, describe_policy
+from ead_llm.policies.switching import EAD
+
+CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "prompt_truncation")
+"""Settings a single call may override (``llm.invoke(x, policy=SmallOnly())`` or ``llm.bind(...)``)."""
+
+EMBEDDED_NAME = "embedded"
+LOAD_FIELDS = (
+    "device",
+    "dtype",
+    "revision",
+    "cache_dir",
+    "local_files_only",
+    "trust_remote_code",
+    "load_attempts",
+    "retry_wait_s",
+)
+"""The fields passed on to :class:`~ead_llm.core.loading.LoadConfig` as they are."""
+T = TypeVar("T")
+
+
+async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
+    """Drive a blocking iterator from async code, one item per worker-thread hop (the loop stays free)."""
+    done = object()
+    try:
+        while True:
+            item = await asyncio.to_thread(next, iterator, done)
+            if item is done:
+                return
+            yield item  # type: ignore[misc]
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:
+            close()  # frees the engine and the sequence's caches when the consumer stops early
+
+
+class PairModel(BaseModel):
+    """Which pair to run and how to decode; shared by the LangChain and DSPy adapters."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
+
+    small: str | None = None
+    """Hugging Face id or local folder of the small model (None: the embedded pair)."""
+    large: str | None = None
+    """Hugging Face id or local folder of the large model (None: the embedded pair)."""
+    policy: Policy | None = None
+    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: EAD with its defaults, and
+    on the embedded pair with the threshold chosen for it on the task's dev split."""
+    temperature: float = 0.0
+    """0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 disables."""
+    max_tokens: int = 256
+    """Most tokens generated per completion."""
+    seed: int | None = 0
+    """Seed of each call's random generators; the same seed and inputs give the same text."""
+    stop: list[str] | None = None
+    """Default stop strings, used when a call passes none."""
+    ignore_eos: bool = False
+    """Generate past EOS (for fixed-length benchmarks)."""
+    prompt_truncation: Literal["error", "left"] = "error"
+    """A prompt longer than the context: ``error`` refuses it (ValueError); ``left`` drops its oldest
+    tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
+    timeout: float | None = None
+    """Seconds one call may take; past it the call raises ``TimeoutError`` and frees its caches."""
+    max_retries: int = 2
+    """Retries of a call whose forward pass ran out of accelerator memory (nothing retried once
+    text has been streamed)."""
+    prompt_format: PromptFormat | None = None
+    """How a conversation becomes the prompt: ``chat`` (the tokenizer's chat template, or a plain
+    fallback) or ``text`` (the texts joined raw). None: ``text`` on the embedded pair, else ``chat``."""
+    max_batch: int | None = None
+    """Most sequences the shared engine decodes at once (None: its current setting, 64 by default).
+    Objects sharing a pair share the engine and so its limits."""
+    kv_budget_tokens: int | None = None
+    """Most KV positions (prompt plus max_tokens per sequence) the shared engine reserves at once;
+    requests beyond it wait. None: its current setting (unlimited by default)."""
+    pricing: Pricing | None = None
+    """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
+    device: str | None = None
+    """Torch device; None picks CUDA when available, else CPU."""
+    dtype: str | None = None
+    """``float32``, ``bfloat16`` or ``float16``; None picks bf16 on a capable GPU, else float32."""
+    revision: str | None = None
+    """Hub revision of both models."""
+    cache_dir: str | None = None
+    """Hugging Face cache folder."""
+    local_files_only: bool = False
+    """Never reach the network."""
+    trust_remote_code: bool = False
+    """Allow model code from the Hub."""
+    load_attempts: int = 4
+    """Tries per file set when loading meets transient network or file errors."""
+    retry_wait_s: float = 1.0
+    """First backoff between loading tries (doubled each time, at most 30 s)."""
+
+    _engine: Engine = PrivateAttr()
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _check_policy(cls, value: Any) -> Policy | None:
+        return None if value is None else check_policy(value)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> list[str] | None:
+        return None if value is None else list(check_stop(value))
+
+    @field_validator("timeout", mode="before")
+    @classmethod
+    def _check_timeout(cls, value: Any) -> float | None:
+        return None if value is None else check_float("timeout", value, minimum=0.0, exclusive_minimum=True)
+
+    @field_validator("max_retries", mode="before")
+    @classmethod
+    def _check_retries(cls, value: Any) -> int:
+        return check_int("max_retries", value, minimum=0)
+
+    def model_post_init(self, context: Any) -> None:
+        """Check the settings, then attach the shared engine (loading the pair on first use)."""
+        self._sampling({}, None)
+        if self.small is None or self.large is None:
+            if self.small is not None or self.large is not None:
+                raise ValueError("pass both small= and large=, or neither for the embedded default pair")
+            small, large = embedded_pair()
+            if self.policy is None:
+                self.policy = EAD(threshold=recommended_threshold())
+        else:
+            small, large = self.small, self.large
+        config = LoadConfig(small=small, large=large, **{name: getattr(self, name) for name in LOAD_FIELDS})
+        self._engine = shared_engine(config)
+        self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
+        if self.policy is None:
+            self.policy = EAD()
+
+    @property
+    def shared_engine(self) -> Engine:
+        """The engine running this object's pair, shared with every object naming the same pair."""
+        return self._engine
+
+    @property
+    def pair_name(self) -> str:
+        """``embedded`` or ``small+large`` as given."""
+        return EMBEDDED_NAME if self.small is None else f"{self.small}+{self.large}"
+
+    @property
+    def resolved_prompt_format(self) -> PromptFormat:
+        """The prompt format in use (``prompt_format``, or its default for this pair)."""
+        if self.prompt_format is not None:
+            return self.prompt_format
+        return "text" if self.small is None else "chat"
+
+    def _policy(self) -> Policy:
+        if self.policy is None:  # set in model_post_init; only a bypassed constructor leaves it unset
+            raise RuntimeError(f"{type(self).__name__} has no policy")
+        return self.policy
+
+    # -- per-call settings ------------------------------------------------------------------------
+
+    def _sampling(self, options: dict[str, Any], stop: Sequence[str] | None) -> SamplingParams:
+        return SamplingParams(
+            temperature=options.get("temperature", self.temperature),
+            top_p=options.get("top_p", self.top_p),
+            top_k=options.get("top_k", self.top_k),
+            max_tokens=options.get("max_tokens", self.max_tokens),
+            stop=check_stop(stop if stop is not None else self.stop),
+            seed=options.get("seed", self.seed),
+            ignore_eos=options.get("ignore_eos", self.ignore_eos),
+            prompt_truncation=options.get("prompt_truncation", self.prompt_truncation),
+        )
+
+    @staticmethod
+    def _call_options(kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The per-call overrides in ``kwargs``; anything else is refused with the accepted names."""
+        unknown = sorted(set(kwargs) - set(CALL_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown call options {unknown}; accepted: {list(CALL_OPTIONS)}")
+        return dict(kwargs)
+
+    def _requests(
+        self,
+        prompts: Sequence[Prompt],
+        stop: Sequence[str] | None,
+        kwargs: dict[str, Any],
+        sample_index: int | None = None,
+    ) -> list[Request]:
+        options = self._call_options(kwargs)
+        policy = check_policy(options.get("policy", self._policy()))
+        sampling = self._sampling(options, stop)
+        return [Request(prompt=p, policy=policy, sampling=sampling, sample_index=sample_index) for p in prompts]
+
+    def _identity(self) -> dict[str, Any]:
+        """Everything that decides the output (the LangChain cache key and trace parameters)."""
+        return {
+            "small": self._engine.pair.small.info.source,
+            "large": self._engine.pair.large.info.source,
+            **describe_policy(self._policy()),
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "prompt_truncation": self.prompt_truncation,
+        }
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the pair's tokenizer (used by ``get_num_tokens``)."""
+        return list(self._engine.tokenizer.encode(text, add_special_tokens=False))
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def _run(self, requests: list[Request]) -> tuple[list[Completion], Cost]:
+        """Run requests to completion; returns the completions and the call's summed cost."""
+        start = time.perf_counter()
+        retrying = Retrying(
+            retry=retry_if_exception_type(torch.OutOfMemoryError),
+            stop=stop_after_attempt(self.max_retries + 1),
+            wait=wait_exponential(multiplier=0.1, max=2.0),
+            reraise=True,
+        )
+        completions = retrying(self._engine.generate, requests, pricing=self.pricing, timeout_s=self.timeout)
+        total = Cost.total([c.cost for c in completions], wall_time_s=time.perf_counter() - start)
+        report(total)
+        return completions, total
+
+    def _stream_events(self, request: Request) -> Iterator[tuple[TokenEvent, Cost | None]]:
+        """One request's events; the last comes with the completion's cost."""
+        from ead_llm.policies.eager import EAGER
+
+        if isinstance(request.policy, EAGER):
+            raise ValueError("EAGER answers by a vote once every path has finished: use invoke/generate, not stream")
+        engine = self._engine
+        pair = engine.pair
+        ledger = CompletionLedger(pair.small.info, pair.large.info, pricing=self.pricing)
+        start = time.perf_counter()
+        stream = engine.stream([request], self.timeout)
+        try:
+            for event in stream:
+                ledger.record(event)
+                if event.finish_reason is None:
+                    yield event, None
+                else:
+                    cost = ledger.cost(time.perf_counter() - start)
+                    report(cost)
+                    yield event, cost
+        finally:
+            stream.close()

@@ -1,0 +1,264 @@
+"""Loading a pair of causal LMs that share a tokenizer, from Hugging Face ids or local folders."""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from ead_llm.core.types import Role
+from ead_llm.core.validation import check_float, check_int
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the pair comes from and where it runs."""
+
+    small: str
+    """Hugging Face id or local folder of the small model."""
+    large: str
+    """Hugging Face id or local folder of the large model."""
+    device: str | None = None
+    """``cuda``, ``cpu``, ``cuda:1``...; None picks CUDA when available, else the CPU."""
+    dtype: str | None = None
+    """``float32``, ``bfloat16`` or ``float16``; None picks bf16 on a GPU that has it, else float32."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of both models."""
+    cache_dir: str | None = None
+    """Hugging Face cache folder."""
+    local_files_only: bool = False
+    """Never reach the network (also implied by ``HF_HUB_OFFLINE=1``)."""
+    trust_remote_code: bool = False
+    """Allow model code from the Hub."""
+    load_attempts: int = field(default=4, compare=False)
+    """Tries per file set before giving up on transient network or file errors (>= 1)."""
+    retry_wait_s: float = field(default=1.0, compare=False)
+    """First backoff between tries, doubled each time up to 30 s (>= 0)."""
+
+    def __post_init__(self) -> None:
+        for name in ("small", "large"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"{name} must be a Hugging Face model id or a local folder, got {value!r}")
+        check_int("load_attempts", self.load_attempts, minimum=1)
+        check_float("retry_wait_s", self.retry_wait_s, minimum=0.0)
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(
+                    f"device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}"
+                ) from None
+
+    def resolved_device(self) -> torch.device:
+        if self.device is not None:
+            return torch.device(self.device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype is not None:
+            return DTYPES[self.dtype]
+        device = self.resolved_device()
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+
+    def hub_kwargs(self) -> dict[str, Any]:
+        offline = self.local_files_only or os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
+        return {
+            "revision": self.revision,
+            "cache_dir": self.cache_dir,
+            "local_files_only": offline,
+            "trust_remote_code": self.trust_remote_code,
+        }
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ledger needs to know about one model."""
+
+    source: str
+    params: int
+    """All parameters (tied weights counted once)."""
+    non_embedding_params: int
+    """Parameters outside token/position embeddings and an untied output projection."""
+    num_layers: int
+    attention_width: int
+    """Query heads times head size."""
+    max_positions: int | None
+    """Longest sequence the model accepts, when its config says."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    role: Role
+    model: PreTrainedModel
+    info: ModelInfo
+
+
+@dataclass(frozen=True)
+class ModelPair:
+    """Two causal LMs with one vocabulary, ready to run."""
+
+    tokenizer: PreTrainedTokenizerBase
+    small: LoadedModel
+    large: LoadedModel
+    device: torch.device
+    vocab_size: int
+    """Ids 0..vocab_size-1 are real tokens of both models; padded logit rows beyond are ignored."""
+    eos_token_ids: frozenset[int]
+
+    def model(self, role: Role) -> LoadedModel:
+        return self.small if role is Role.SMALL else self.large
+
+
+def describe_model(source: str, model: PreTrainedModel) -> ModelInfo:
+    """Parameter counts and attention shape of ``model`` from its modules and config."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    embedding_ids: set[int] = set()
+    embedding = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and id(module.weight) not in embedding_ids:
+            embedding_ids.add(id(module.weight))
+            embedding += module.weight.numel()
+    head = model.get_output_embeddings()
+    if head is not None and id(head.weight) not in embedding_ids:
+        embedding += head.weight.numel()
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    max_positions = getattr(config, "max_position_embeddings", None)
+    return ModelInfo(
+        source=source,
+        params=total,
+        non_embedding_params=total - embedding,
+        num_layers=int(config.num_hidden_layers),
+        attention_width=heads * int(head_dim),
+        max_positions=int(max_positions) if max_positions else None,
+    )
+
+
+def check_same_vocabulary(small: PreTrainedTokenizerBase, large: PreTrainedTokenizerBase) -> None:
+    """Raise ``ValueError`` naming the first id that the two tokenizers map to different tokens."""
+    size_small, size_large = len(small), len(large)
+    for token_id in range(max(size_small, size_large)):
+        token_small = small.convert_ids_to_tokens(token_id) if token_id < size_small else None
+        token_large = large.convert_ids_to_tokens(token_id) if token_id < size_large else None
+        if token_small != token_large:
+            raise ValueError(
+                f"the small and large models do not share a tokenizer: id {token_id} is "
+                f"{token_small!r} in the small model's and {token_large!r} in the large model's; "
+                "pick two models of the same family (same tokenizer)"
+            )
+
+
+def _eos_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    for model in models:
+        config = getattr(model, "generation_config", None)
+        value = getattr(config, "eos_token_id", None) if config is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def _check_source(name: str, source: str) -> None:
+    """Refuse a local-looking path that does not exist (a Hub id has at most one slash)."""
+    if Path(source).expanduser().exists():
+        return
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise ValueError(f"{name} model folder {source!r} does not exist")
+
+
+_TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED}
+_TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a loading error is worth another try: a connection or timeout error, a busy or
+    failing file read, or a Hub answer of 408/429/5xx, anywhere in the chain of causes. A missing
+    repository, file or permission is not."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, ConnectionError | TimeoutError | InterruptedError):
+            return True
+        if isinstance(current, OSError) and current.errno in _TRANSIENT_ERRNOS:
+            return True
+        if type(current).__module__.split(".")[0] in ("httpx", "requests", "urllib3") and any(
+            word in type(current).__name__ for word in ("Timeout", "Connect", "Network", "Transport", "Protocol")
+        ):
+            return True
+        status = getattr(getattr(current, "response", None), "status_code", None)
+        if status in _TRANSIENT_STATUS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _from_pretrained(loader: Any, name: str, source: str, config: LoadConfig, **kwargs: Any) -> Any:
+    """``loader.from_pretrained`` with retries (exponential backoff) on transient errors; any other
+    error, or the last transient one, is raised as an ``OSError`` that says what to check."""
+    retrying = Retrying(
+        stop=stop_after_attempt(config.load_attempts),
+        wait=wait_exponential(multiplier=config.retry_wait_s, max=30),
+        retry=retry_if_exception(is_transient),
+    )
+    try:
+        return retrying(loader.from_pretrained, source, **kwargs)
+    except RetryError as err:
+        last = err.last_attempt.exception()
+        raise OSError(
+            f"could not load the {name} model {source!r} after {config.load_attempts} tries ({last}): "
+            "check the network and the Hub, or pass a local folder (local_files_only=True works offline)"
+        ) from last
+    except OSError as err:
+        raise OSError(f"could not load the {name} model {source!r}: {err}") from err
+
+
+def load_pair(config: LoadConfig) -> ModelPair:
+    """Load tokenizers and both models, check they share a vocabulary, and put them in eval mode."""
+    _check_source("small", config.small)
+    _check_source("large", config.large)
+    hub = config.hub_kwargs()
+    tok_small = _from_pretrained(AutoTokenizer, "small", config.small, config, **hub)
+    tok_large = _from_pretrained(AutoTokenizer, "large", config.large, config, **hub)
+    check_same_vocabulary(tok_small, tok_large)
+    device = config.resolved_device()
+    dtype = config.resolved_dtype()
+    models = {}
+    for role, source in ((Role.SMALL, config.small), (Role.LARGE, config.large)):
+        model = _from_pretrained(AutoModelForCausalLM, role.value, source, config, dtype=dtype, **hub)
+        model.to(device)
+        model.eval()
+        models[role] = LoadedModel(role=role, model=model, info=describe_model(source, model))
+    logit_rows = min(m.model.get_output_embeddings().weight.shape[0] for m in models.values())
+    vocab_size = min(len(tok_small), logit_rows)
+    return ModelPair(
+        tokenizer=tok_small,
+        small=models[Role.SMALL],
+        large=models[Role.LARGE],
+        device=device,
+        vocab_size=vocab_size,
+        eos_token_ids=_eos_ids(tok_small, models[Role.SMALL].model, models[Role.LARGE].model),
+    )

@@ -1,0 +1,321 @@
+"""The ``ead-llm`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from ead_llm.policies.base import LargeOnly, Policy, SmallOnly, policy_tag
+from ead_llm.policies.speculative import EASD, SpeculativeDecoding
+from ead_llm.policies.switching import EAD
+
+POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
+EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact")
+
+
+def _policy(args: argparse.Namespace) -> Policy:
+    if args.policy == "small":
+        return SmallOnly()
+    if args.policy == "large":
+        return LargeOnly()
+    if args.policy == "speculative":
+        return SpeculativeDecoding(gamma=args.gamma)
+    if args.policy == "easd":
+        return EASD(gamma=args.gamma, entropy_threshold=args.entropy_threshold)
+    return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell, lookahead=args.lookahead)
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="decoding policy (default: ead)")
+    parser.add_argument("--threshold", type=float, default=0.25, help="EAD threshold in bits (default 0.25)")
+    parser.add_argument("--window", type=int, default=5, help="EAD rolling window in tokens (default 5)")
+    parser.add_argument(
+        "--lookahead", action="store_true", help="EAD: the large model writes the uncertain token itself (ours)"
+    )
+    parser.add_argument("--min-dwell", type=int, default=10, help="EAD minimum tokens between switches (default 10)")
+    parser.add_argument("--gamma", type=int, default=4, help="speculative/EASD drafts per round (default 4)")
+    parser.add_argument("--entropy-threshold", type=float, default=2.0, help="EASD entropy threshold, bits (default 2)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+
+    llm = EntropyAdaptiveLLM(
+        small=args.small,
+        large=args.large,
+        policy=_policy(args),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        stop=args.stop,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    result = llm.generate([args.prompt])
+    generation = result.generations[0][0]
+    if args.json:
+        info = generation.generation_info or {}
+        print(json.dumps({"text": generation.text, **info}, indent=2))
+    else:
+        print(generation.text)
+        print(json.dumps(result.llm_output["cost"] if result.llm_output else {}, indent=2), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.panel import Panel
+    from rich.text import Text
+
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.embedded import recommended_threshold
+    from ead_llm.evaluation.task import extract_answer, problems
+
+    console = Console()
+    threshold = args.threshold if args.threshold is not None else recommended_threshold()
+    policy = EAD(threshold=threshold, window=1, min_dwell=1, lookahead=True) if args.lookahead else EAD(threshold)
+    llm = EntropyAdaptiveLLM(policy=policy, max_tokens=400)
+    tasks = problems("test", args.problems, seed=args.seed)
+    result = llm.generate([t.prompt for t in tasks])
+    tokenizer = llm.shared_engine.tokenizer
+    right = 0
+    for task, (generation,) in zip(tasks, result.generations, strict=True):
+        info = generation.generation_info or {}
+        text = Text(task.prompt, style="bold")
+        for token_id, model in zip(info["token_ids"], info["models"], strict=True):
+            piece = str(tokenizer.decode([token_id], skip_special_tokens=True))
+            text.append(piece, style="bold magenta" if model == "L" else "dim")
+        got = extract_answer(generation.text)
+        ok = got == task.answer
+        right += ok
+        cost = info["cost"]
+        verdict = "[green]right[/green]" if ok else f"[red]wrong[/red] (expected {task.answer})"
+        console.print(
+            Panel(
+                text,
+                title=f"answer {got}: {verdict}",
+                subtitle=(
+                    f"large {cost['large_tokens']}/{cost['completion_tokens']} tokens, {cost['switches']} switches, "
+                    f"parameter ratio {cost['parameter_ratio']:.3f}"
+                ),
+            )
+        )
+    console.print(
+        f"{policy_tag(policy)}; large-model tokens in [bold magenta]magenta[/bold magenta]; "
+        f"{right}/{len(tasks)} right. Cost of the call:"
+    )
+    console.print_json(json.dumps(result.llm_output["cost"] if result.llm_output else {}))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.serving.server import create_app
+
+    policy = None if args.policy == "ead" and args.threshold is None else _policy(args)
+    llm = EntropyAdaptiveLLM(
+        small=args.small,
+        large=args.large,
+        policy=policy,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        kv_budget_tokens=args.kv_budget,
+        timeout=args.timeout,
+    )
+    uvicorn.run(create_app(llm, args.model_name), host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ead_llm.evaluation.bench import (
+        BenchConfig,
+        EADVariant,
+        bench,
+        embedded_task,
+        load_jsonl_task,
+        planned_problems,
+        render_table,
+    )
+
+    quick = args.quick
+    if args.task is None:
+        dev = args.dev if args.dev is not None else 20 if quick else 100
+        test = args.test if args.test is not None else 30 if quick else 200
+        task = embedded_task(dev, test)
+    else:
+        task = load_jsonl_task(
+            args.task, extractor=args.extractor, dev_path=args.dev_task, dev_fraction=args.dev_fraction
+        ).limit(args.dev, args.test)
+    overrides = {
+        key: value
+        for key, value in {
+            "thresholds": tuple(args.thresholds) if args.thresholds else None,
+            "eager_thetas": tuple(args.eager_thetas) if args.eager_thetas is not None else None,
+            "eager_paths": args.eager_paths,
+            "budget": args.budget,
+            "budget_metric": args.budget_metric,
+            "variants": tuple(EADVariant.parse(v) for v in args.variants) if args.variants else None,
+            "dev_batch_size": args.dev_batch_size,
+            "gamma": args.gamma,
+            "easd_threshold": args.entropy_threshold,
+            "max_tokens": args.max_tokens,
+            "batch_size": args.batch_size,
+            "seed": args.seed,
+            "prompt_format": args.prompt_format,
+        }.items()
+        if value is not None
+    }
+    if args.no_speculative:
+        overrides["speculative"] = False
+    if args.no_controls:
+        overrides["controls"] = False
+    config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
+    console = Console(stderr=True)
+    with Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.no_progress,
+    ) as bar:
+        job = bar.add_task("loading", total=planned_problems(task, config))
+
+        def progress(label: str, done: int) -> None:
+            bar.update(job, advance=done, description=label)
+
+        report, files = bench(
+            args.small,
+            args.large,
+            task=task,
+            config=config,
+            out=args.out,
+            device=args.device,
+            dtype=args.dtype,
+            progress=progress,
+        )
+    render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
+    for path in files.values():
+        print(f"wrote {path}")
+    return 0
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text).replace("\n", "\\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ead-llm", description="A small and a large LM as one cheaper LM, switching on entropy."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="complete one prompt and print the text and its cost")
+    generate.add_argument("prompt")
+    generate.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    generate.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    generate.add_argument("--device", default=None)
+    generate.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    generate.add_argument("--json", action="store_true", help="print text, cost and per-token models as JSON")
+    _add_sampling(generate)
+    generate.set_defaults(func=cmd_generate)
+    demo = commands.add_parser("demo", help="offline demo: EAD on the embedded pair solves a few test problems")
+    demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
+    demo.add_argument("--problems", type=int, default=5, help="how many test problems (default 5)")
+    demo.add_argument("--seed", type=int, default=0, help="which test problems (default 0)")
+    demo.add_argument(
+        "--lookahead", action="store_true", help="EAD with lookahead, window 1, dwell 1 (the bench's dev choice)"
+    )
+    demo.set_defaults(func=cmd_demo)
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    serve.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    serve.add_argument("--device", default=None)
+    serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    serve.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="default policy (default: ead)")
+    serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
+    serve.add_argument("--window", type=int, default=5)
+    serve.add_argument("--min-dwell", type=int, default=10)
+    serve.add_argument("--lookahead", action="store_true", help="EAD: the large model writes the uncertain token")
+    serve.add_argument("--gamma", type=int, default=4)
+    serve.add_argument("--entropy-threshold", type=float, default=2.0)
+    serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
+    serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions reserved at once")
+    serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take")
+    serve.add_argument("--model-name", default=None, help="model id clients use (default: ead-llm/<pair>)")
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=cmd_serve)
+    bench = commands.add_parser(
+        "bench",
+        help="accuracy against cost of every policy and control on a task (dev-chosen thresholds, test results)",
+    )
+    bench.add_argument("--quick", action="store_true", help="a small sweep on few problems (minutes)")
+    bench.add_argument("--out", default="bench-results", help="folder for results.json/csv and plots")
+    bench.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    bench.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    bench.add_argument("--device", default=None)
+    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    bench.add_argument("--task", default=None, help="JSONL file of {prompt, answer} (default: the embedded task)")
+    bench.add_argument("--dev-task", default=None, help="JSONL file of dev problems (default: from --task)")
+    bench.add_argument("--dev-fraction", type=float, default=0.3, help="dev share of unmarked --task lines")
+    bench.add_argument("--extractor", default="hashes", help="answer extractor: " + ", ".join(EXTRACTOR_NAMES))
+    bench.add_argument("--dev", type=int, default=None, help="dev problems (embedded: 100, quick 20)")
+    bench.add_argument("--test", type=int, default=None, help="test problems (embedded: 200, quick 30)")
+    bench.add_argument("--thresholds", type=float, nargs="+", default=None, help="EAD thresholds (bits) to sweep")
+    bench.add_argument("--budget", type=float, default=None, help="cost budget for the dev choice (default 0.25)")
+    bench.add_argument("--budget-metric", choices=("large_fraction", "parameter_ratio"), default=None)
+    bench.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help="EAD variants WINDOW:MIN_DWELL[:lookahead] (default: 5:10 1:1:lookahead)",
+    )
+    bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
+    bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")
+    bench.add_argument("--eager-thetas", type=float, nargs="*", default=None, help="EAGER thetas (none: skip)")
+    bench.add_argument("--eager-paths", type=int, default=None, help="EAGER max_paths (default 8, quick 4)")
+    bench.add_argument("--max-tokens", type=int, default=None, help="per completion (default 400)")
+    bench.add_argument("--batch-size", type=int, default=None, help="test requests per engine call (default 1)")
+    bench.add_argument("--dev-batch-size", type=int, default=None, help="dev requests per engine call (default 32)")
+    bench.add_argument("--seed", type=int, default=None)
+    bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
+    bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
+    bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError, OSError) as err:
+        print(f"ead-llm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""``ead-llm serve``: an OpenAI-compatible HTTP server over one shared engine.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``. Every caller joins the engine's running batch. ``usage`` in
+each response (and in the last streamed chunk, or a usage chunk when ``stream_options.include_usage``)
+holds OpenAI's three token counts plus the whole cost dict. The policy is the server's unless a
+request names one in an extra ``policy`` field (``{"policy": "large_only"}``, or ``{"policy":
+"ead", "threshold": 0.1}``: the fields of ``describe_policy``). Unsupported features (tools,
+logprobs, JSON mode) are refused with a 400 that names them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from ead_llm.accounting.ledger import Cost
+from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+from ead_llm.adapters.prompts import render
+from ead_llm.core.request import Prompt
+from ead_llm.core.request import Request as EngineRequest
+from ead_llm.policies.base import Policy, policy_from_description
+
+UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "suffix")
+
+
+class _Body(BaseModel):
+    """Fields shared by both endpoints; unknown fields are accepted and ignored, as OpenAI's servers do."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool | int | None = None
+    policy: dict[str, Any] | None = None
+    prompt_truncation: str | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[str]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class ServerError(ValueError):
+    """A request the server refuses (HTTP 400 or 404)."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+
+
+def _usage(cost: Cost) -> dict[str, Any]:
+    return {**cost.to_dict(), "total_tokens": cost.prompt_tokens + cost.completion_tokens}
+
+
+def _text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ServerError(
+                f"message content of type {part.get('type')!r} is not supported: send text", param="messages"
+            )
+        parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+class Server:
+    """The OpenAI-compatible surface of one :class:`EntropyAdaptiveLLM` (its pair, policy and defaults)."""
+
+    def __init__(self, llm: EntropyAdaptiveLLM, model_name: str | None = None) -> None:
+        self.llm = llm
+        self.model_name = model_name or f"ead-llm/{llm.pair_name}"
+        self.created = int(time.time())
+
+    # -- request -> engine requests ---------------------------------------------------------------
+
+    def _check(self, body: _Body) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ServerError(f"model {body.model!r} is not served here; use {self.model_name!r}", 404, "model")
+        refused = [name for name in UNSUPPORTED if (body.model_extra or {}).get(name) not in (None, [], {}, "none")]
+        if body.logprobs not in (None, False, 0):
+            refused.append("logprobs")
+        if refused:
+            raise ServerError(f"not supported by ead-llm: {refused}", param=refused[0])
+        if isinstance(body.n, bool) or not 1 <= body.n <= 16:
+            raise ServerError(f"n must be between 1 and 16, got {body.n}", param="n")
+
+    def _options(self, body: _Body) -> dict[str, Any]:
+        options: dict[str, Any] = {}
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        for name, value in (
+            ("max_tokens", max_tokens),
+            ("temperature", body.temperature),
+            ("top_p", body.top_p),
+            ("top_k", body.top_k),
+            ("seed", body.seed),
+            ("prompt_truncation", body.prompt_truncation),
+        ):
+            if value is not None:
+                options[name] = value
+        if body.policy is not None:
+            options["policy"] = self._policy(body.policy)
+        return options
+
+    @staticmethod
+    def _policy(description: dict[str, Any]) -> Policy:
+        try:
+            return policy_from_description(description)
+        except (TypeError, ValueError) as exc:
+            raise ServerError(f"policy: {exc}", param="policy") from exc
+
+    def _requests(self, prompts: list[Prompt], body: _Body) -> list[EngineRequest]:
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        options = self._options(body)
+        requests = []
+        for prompt in prompts:
+            for k in range(body.n):
+                (request,) = self.llm._requests([prompt], stop, options, sample_index=k)
+                requests.append(request)
+        return requests
+
+    def _chat_prompt(self, body: ChatBody) -> Prompt:
+        turns = [("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
+        return render(self.llm.shared_engine.tokenizer, turns, self.llm.resolved_prompt_format)
+
+    # -- responses --------------------------------------------------------------------------------
+
+    def completions(self, body: CompletionBody) -> dict[str, Any] | Iterator[str]:
+        self._check(body)
+        prompts: list[Prompt] = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        if not prompts:
+            raise ServerError("prompt must not be empty", param="prompt")
+        requests = self._requests(prompts, body)
+        if body.stream:
+            if len(requests) != 1:
+                raise ServerError("streaming takes one prompt and n=1", param="stream")
+            return self._stream("text_completion", requests[0], body)
+        completions, total = self.llm._run(requests)
+        choices = [
+            {
+                "index": c.index,
+                "text": (requests[c.index].prompt if body.echo else "") + c.text,  # type: ignore[operator]
+                "finish_reason": c.finish_reason.value,
+                "logprobs": None,
+            }
+            for c in completions
+        ]
+        return self._envelope("text_completion", choices, total)
+
+    def chat(self, body: ChatBody) -> dict[str, Any] | Iterator[str]:
+        self._check(body)
+        requests = self._requests([self._chat_prompt(body)], body)
+        if body.stream:
+            if len(requests) != 1:
+                raise ServerError("streaming takes n=1", param="stream")
+            return self._stream("chat.completion.chunk", requests[0], body)
+        completions, total = self.llm._run(requests)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "finish_reason": c.finish_reason.value,
+                "logprobs": None,
+            }
+            for c in completions
+        ]
+        return self._envelope("chat.completion", choices, total)
+
+    def _envelope(self, kind: str, choices: list[dict[str, Any]], cost: Cost | None) -> dict[str, Any]:
+        prefix = "cmpl" if kind.startswith("text") else "chatcmpl"
+        out: dict[str, Any] = {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if cost is not None:
+            out["usage"] = _usage(cost)
+        return out
+
+    def _stream(self, kind: str, request: EngineRequest, body: _Body) -> Iterator[str]:
+        """Server-sent events: one chunk per token; the last carries finish_reason and usage."""
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        chat = kind.startswith("chat")
+        first = True
+        for event, cost in self.llm._stream_events(request):
+            finish = None if event.finish_reason is None else event.finish_reason.value
+            if chat:
+                delta: dict[str, Any] = {"content": event.text}
+                if first:
+                    delta["role"] = "assistant"
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
+            first = False
+            chunk = self._envelope(kind, [choice], None)
+            chunk["ead_model"] = event.role.letter
+            if cost is not None and not include_usage:
+                chunk["usage"] = _usage(cost)
+            yield f"data: {json.dumps(chunk)}\n\n"
+            if cost is not None and include_usage:
+                yield f"data: {json.dumps(self._envelope(kind, [], cost))}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def create_app(llm: EntropyAdaptiveLLM | None = None, model_name: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``llm`` (default: the embedded pair)."""
+    server = Server(llm or EntropyAdaptiveLLM(), model_name)
+    app = FastAPI(title="ead-llm", description="OpenAI-compatible server over an entropy-adaptive model pair")
+    app.state.server = server
+
+    @app.exception_handler(ServerError)
+    async def _server_error(request: Request, exc: ServerError) -> JSONResponse:
+        return _error(str(exc), exc.status, exc.param)
+
+    @app.exception_handler(ValueError)
+    async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
+        return _error(str(exc), 400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        return _error(f"{where}: {first.get('msg', 'invalid request')}", 400, where or None)
+
+    @app.exception_handler(TimeoutError)
+    async def _timeout(request: Request, exc: TimeoutError) -> JSONResponse:
+        return _error(str(exc), 504)
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "model": server.model_name, **server.llm.shared_engine.load}
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "ead-llm"}],
+        }
+
+    def respond(result: dict[str, Any] | Iterator[str]) -> Any:
+        if isinstance(result, dict):
+            return result
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    def completions(body: CompletionBody) -> Any:
+        return respond(server.completions(body))
+
+    @app.post("/v1/chat/completions")
+    def chat_completions(body: ChatBody) -> Any:
+        return respond(server.chat(body))
+
+    return app
