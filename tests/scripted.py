@@ -20,8 +20,11 @@ class ScriptedModel(torch.nn.Module):
     """Returns chosen logits for each position; records each row's new tokens per forward.
 
     It keeps its history where a real model keeps its keys: it writes each token id as a one-number
-    key into the cache, so the engine's pooled caches, masks and positions are exercised for real.
+    key into the engine's paged KV cache and reads every row's history back from it, so the
+    engine's blocks, positions and packing are exercised for real.
     """
+
+    handles_ead_batch = True  # takes the engine's packed batch itself (no transformers attention)
 
     def __init__(self, vocab: int, logits_fn: LogitsFn) -> None:
         super().__init__()
@@ -33,31 +36,29 @@ class ScriptedModel(torch.nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        cache_position: torch.Tensor | None = None,
-        cache=None,
-        use_cache: bool = True,
-        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: torch.Tensor | int = 0,
+        use_cache: bool = False,
+        ead_batch=None,
     ):
-        batch, width = input_ids.shape
-        as_keys = input_ids[:, None, :, None].float()
-        keys, _ = cache.update(as_keys, as_keys, 0)  # [B, 1, L, 1], stored at true positions
-        self.batches.append(batch)
-        out = []
-        for b in range(batch):
-            count = int((position_ids[b] - position_ids[b, 0]).max()) + 1  # pads repeat the last position
-            visible = attention_mask[b, 0, count - 1] == 0  # what the last real token may attend to
-            history = keys[b, 0, visible, 0].long().tolist()
-            past, new = history[:-count], history[-count:]
-            assert new == input_ids[b, :count].tolist()
+        ids = input_ids[0]  # [T], rows packed one after another
+        as_keys = ids[None, None, :, None].float()  # [1, H=1, T, D=1]
+        ead_batch.write(0, as_keys, as_keys)
+        rows = []
+        at = 0
+        for stored, start, count in zip(ead_batch.histories(0), ead_batch.starts, ead_batch.counts, strict=True):
+            history = stored[:, 0, 0].long().tolist()
+            new = history[start : start + count]
+            assert new == ids[at : at + count].tolist()
+            assert position_ids[0, at : at + count].tolist() == list(range(start, start + count))
             self.calls.append(new)
-            rows = [self.logits_fn(len(past) + i + 1, history[: len(past) + i + 1]) for i in range(count)]
-            rows += [rows[-1]] * (width - count)
-            out.append(torch.stack(rows))
-        logits = torch.stack(out)  # [B, N, V]
-        if logits_to_keep:
-            logits = logits[:, -logits_to_keep:]
+            rows += [self.logits_fn(start + j + 1, history[: start + j + 1]) for j in range(count)]
+            at += count
+        self.batches.append(len(ead_batch.counts))
+        logits = torch.stack(rows)[None]  # [1, T, V]
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits = logits[:, logits_to_keep]
         return SimpleNamespace(logits=logits)
 
 

@@ -59,7 +59,7 @@ def test_normalize_and_score() -> None:
     assert normalize("0.50") == "0.5" and normalize("-0") == "0" and normalize(" Paris ") == "Paris"
     task = BenchTask("t", (Example("p", "1"),), (Example("p", "1"),), "hashes")
     assert task.score("#### 1,000", "1000") and not task.score("#### 999", "1000") and not task.score("", "1")
-    assert set(EXTRACTORS) == {"hashes", "last_number", "first_line", "boxed", "choice", "exact"}
+    assert set(EXTRACTORS) == {"auto", "hashes", "last_number", "first_line", "boxed", "choice", "exact"}
     with pytest.raises(ValueError, match="extractor must be one of"):
         BenchTask("t", (), (), "regex")
 

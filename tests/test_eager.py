@@ -97,8 +97,14 @@ def test_infinite_theta_is_one_plain_path(pair) -> None:
 def test_vote_is_deterministic() -> None:
     policy = EAGER()
     assert policy.vote(["#### 3", "#### 4", "x #### 4", "#### 3"]) == (0, {"3": 2, "4": 2})  # tie: first answer
-    assert policy.vote(["no answer", "#### 5", "#### 6", "#### 6"]) == (2, {"5": 1, "6": 2})
-    assert policy.vote(["nothing", "here"]) == (0, {})
+    hashes = EAGER(extractor="hashes")
+    assert hashes.vote(["no answer", "#### 5", "#### 6", "#### 6"]) == (2, {"5": 1, "6": 2})
+    assert hashes.vote(["nothing", "here"]) == (0, {})
+    # the default votes on ordinary text too (the last line, normalised; numbers by value)
+    plain = ["The capital is Kyoto.", "The capital is Tokyo.", "the capital  is tokyo", "Edo"]
+    assert policy.vote(plain) == (1, {"the capital is kyoto": 1, "the capital is tokyo": 2, "edo": 1})
+    assert policy.vote(["so x = 1,000", "x is 1000.0 then", "#### 7"]) == (0, {"1000": 2, "7": 1})
+    assert policy.describe()["extractor"] == "auto" and hashes.describe()["extractor"] == "hashes"
     odd = EAGER(extractor=lambda text: text.strip()[-1:] or None)
     assert odd.vote(["ab", "cb", "zz"])[0] == 0
 

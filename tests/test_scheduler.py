@@ -114,7 +114,7 @@ def test_a_failing_forward_fails_only_its_callers(llama_pair, monkeypatch: pytes
     def broken(rows):
         raise RuntimeError("injected large-model failure")
 
-    monkeypatch.setattr(runner, "forward", broken)
+    monkeypatch.setattr(runner, "_run", broken)
     errors: list[BaseException] = []
     results = []
 
@@ -161,6 +161,7 @@ def test_close_stops_the_scheduler_and_a_later_call_restarts_it(llama_pair) -> N
     request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=5, ignore_eos=True))
     first = engine.generate([request])[0].token_ids
     thread = engine._thread
-    engine.close()
-    assert thread is not None and not thread.is_alive() and engine._thread is None
+    assert engine.close() is True
+    assert thread is not None and not thread.is_alive()
     assert engine.generate([request])[0].token_ids == first
+    assert engine._thread is not thread and engine._thread is not None and engine._thread.is_alive()

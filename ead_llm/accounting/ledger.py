@@ -127,7 +127,10 @@ class Cost:
 class CompletionLedger:
     """Consumes the events of one sequence and reports its cost. Policies never touch it."""
 
-    def __init__(self, small: ModelInfo, large: ModelInfo, pricing: Pricing | None = None) -> None:
+    def __init__(
+        self, small: ModelInfo, large: ModelInfo, pricing: Pricing | None = None, counters: Iterable[str] = ()
+    ) -> None:
+        """``counters``: the policy's counter names (``policy.counters()``), reported even when 0."""
         self._info = {Role.SMALL: small, Role.LARGE: large}
         self._pricing = pricing
         self.prompt_tokens = 0
@@ -137,7 +140,7 @@ class CompletionLedger:
         self._flops = 0
         self._switches = 0
         self._last: Role | None = None
-        self._counters: dict[str, int] = {}
+        self._counters: dict[str, int] = dict.fromkeys(counters, 0)
 
     def record(self, event: TokenEvent) -> None:
         self.prompt_tokens += event.prompt_tokens

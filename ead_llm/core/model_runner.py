@@ -1,247 +1,327 @@
-"""The model runner: one batched forward pass per group of sequences, over a pooled KV cache.
+"""The model runner: one packed forward pass of one model over the rows of a step.
 
-Each model keeps a :class:`KVPool`: per layer, keys and values for every sequence slot,
-``[slots, kv_heads, capacity, head_dim]``, each slot's positions stored from 0. A forward pass for
-a group of sequences gathers their slots up to the longest one, feeds every row's unseen tokens
-(one for a decode, several for a catch-up after a switch; rows padded on the right), masks each
-row's unused positions, gives each token its true position id, and writes the new keys and values
-back into the slots. Rows never see each other: the same sequence gets the same logits (up to
-floating-point rounding of batched kernels) whatever else is in the batch.
+Every row's unseen tokens (one for a decode, several for a prefill or a catch-up after a switch,
+the drafts for a verification) are concatenated into one sequence ``[1, T]`` with their true
+position ids, so the projections and MLPs run on real tokens only, decode and catch-up rows
+together. Attention is the only part that needs each row's history: the model's attention layers
+call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
+the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
+each row over its own positions, decode rows in one ``[B, H, 1, L]`` call and multi-token rows in a
+second. The model's head runs only at the positions someone reads (``logits_to_keep``), so a
+2,000-token prefill returns one row of logits, not 2,000.
+
+A pass that raises (out of memory, or a fault one row triggers) is bisected: each half is run
+again, down to single rows; a row that fails alone is reported with its error and the others
+succeed. Rows are safe to re-run: keys are written at true positions and a cache's length moves
+only when its pass succeeds.
 """
 
 from __future__ import annotations
 
-import inspect
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadedModel
 from ead_llm.core.types import ForwardWork, Role
-from ead_llm.core.validation import check_int
 
-MIN_CAPACITY = 64
-"""Positions per slot allocated at first use; capacity doubles as sequences grow."""
-
-
-class KVPool:
-    """One model's keys and values for every sequence slot (allocated on first write)."""
-
-    def __init__(self, slots: int, max_positions: int | None, layers: int) -> None:
-        self.slots = check_int("slots", slots, minimum=1)
-        self.max_positions = max_positions
-        self.layers = layers
-        self.keys: list[torch.Tensor] = []  # per layer: [S, H, C, D]
-        self.values: list[torch.Tensor] = []
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2] if self.keys else 0
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, index: WriteIndex) -> None:
-        """Store the real new positions of ``keys``/``values`` (``[B, H, N, D]``) of one layer."""
-        if not self.keys:
-            self._allocate(keys, values, index.needed)
-        elif layer == 0:
-            self._grow(index.needed)
-        self.keys[layer][index.slots, :, index.positions] = keys[index.rows, :, index.cols]
-        self.values[layer][index.slots, :, index.positions] = values[index.rows, :, index.cols]
-
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        """Copy the first ``length`` positions of slot ``source`` into slot ``target`` (a branched path)."""
-        for tensors in (self.keys, self.values):
-            for tensor in tensors:
-                tensor[target, :, :length] = tensor[source, :, :length]
-
-    def read(
-        self, layer: int, rows: torch.Tensor, span: slice | None, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, length, D]`` of one layer for the group's slots: a view when the
-        slots are one ascending run (``span``), else a gathered copy."""
-        k, v = self.keys[layer], self.values[layer]
-        if span is not None:
-            return k[span, :, :length], v[span, :, :length]
-        return k[rows, :, :length], v[rows, :, :length]
-
-    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, needed: int) -> None:
-        layers = self.layers
-        capacity = self._capacity_for(needed)
-        k_shape = (self.slots, keys.shape[1], capacity, keys.shape[3])
-        v_shape = (self.slots, values.shape[1], capacity, values.shape[3])
-        self.keys = [torch.zeros(k_shape, dtype=keys.dtype, device=keys.device) for _ in range(layers)]
-        self.values = [torch.zeros(v_shape, dtype=values.dtype, device=values.device) for _ in range(layers)]
-
-    def _capacity_for(self, needed: int) -> int:
-        capacity = max(MIN_CAPACITY, self.capacity)
-        while capacity < needed:
-            capacity *= 2
-        if self.max_positions is not None:
-            capacity = max(needed, min(capacity, self.max_positions))
-        return capacity
-
-    def _grow(self, needed: int) -> None:
-        if needed <= self.capacity:
-            return
-        capacity = self._capacity_for(needed)
-        for tensors in (self.keys, self.values):
-            for layer, old in enumerate(tensors):
-                grown = torch.zeros((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
-                grown[:, :, : old.shape[2]] = old
-                tensors[layer] = grown
+ATTENTION = "ead_paged"
+"""The attention implementation the engine's models run under: :func:`paged_attention` for the
+engine's packed passes, transformers' SDPA for any other call (``model.generate`` still works)."""
 
 
 @dataclass(frozen=True)
-class WriteIndex:
-    """Where a forward pass's real new positions go: row ``rows[k]``'s column ``cols[k]`` is stored
-    in slot ``slots[k]`` at position ``positions[k]``."""
+class AttentionGroup:
+    """Rows of a pass attended together: decode rows (one new token each), or multi-token rows."""
 
-    rows: torch.Tensor
-    cols: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
-    needed: int
-    """Positions every slot must hold after the write."""
-
-
-class PoolCache(DynamicCache):
-    """The cache a model sees for one batched pass: writes go to the pool, reads come from it.
-
-    ``update`` stores the layer's new keys and values at each row's true positions and returns the
-    group's keys and values up to the longest row; the 4D mask (built by the runner from true
-    positions) hides what a row must not see. Nothing is concatenated.
-    """
-
-    def __init__(self, pool: KVPool, rows: torch.Tensor, span: slice | None, index: WriteIndex, length: int) -> None:
-        super().__init__()
-        self.pool, self.rows, self.span, self.index, self.length = pool, rows, span, index, length
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.pool.write(layer_idx, key_states, value_states, self.index)
-        return self.pool.read(layer_idx, self.rows, self.span, self.length)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.length
+    query_index: torch.Tensor
+    """[B, W] packed index of each row's w-th new token (past a row's end: its last token)."""
+    key_slots: torch.Tensor
+    """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position)."""
+    mask: torch.Tensor | None
+    """[B, 1, W, L] bool, True where a query may attend; None when every row sees all L positions."""
+    real: tuple[torch.Tensor, torch.Tensor] | None
+    """For W > 1: (row, column) of every real query, in packed order; None for decode rows."""
+    packed: torch.Tensor
+    """[R] packed indices of the real queries (same order as ``real``)."""
 
 
-class ModelCache:
-    """How many of a sequence's tokens one model has in its slot of the pool.
+@dataclass(frozen=True)
+class PackedBatch:
+    """What :func:`paged_attention` needs for one pass: where to write, what each row attends to."""
 
-    The runner feeds the rest (the gap) the next time this model is asked for logits.
-    """
+    cache: KVCache
+    write_slots: torch.Tensor
+    """[T] flat slot of each packed token."""
+    groups: tuple[AttentionGroup, ...]
+    counts: tuple[int, ...]
+    """New tokens per row, in packed order."""
+    starts: tuple[int, ...]
+    """Position of each row's first new token."""
+    tables: torch.Tensor
+    """[B, M] block tables, in packed order."""
 
-    def __init__(self) -> None:
-        self.seen = 0
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store a layer's new keys/values ``[1, H, T, D]``."""
+        self.cache.write(layer, self.write_slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
 
-    def release(self) -> None:
-        """Forget the cached positions (the slot's memory is reused by the next sequence)."""
-        self.seen = 0
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
+        layer = int(module.layer_idx)  # type: ignore[arg-type]
+        q = query[0].transpose(0, 1)  # [T, H, D]
+        out = torch.empty_like(q)
+        for group in self.groups:
+            keys, values = self.cache.gather(layer, group.key_slots)  # [B, Hkv, L, D]
+            rows_q = q[group.query_index].transpose(1, 2)  # [B, H, W, D]
+            attended, _ = sdpa_attention_forward(module, rows_q, keys, values, group.mask, scaling=scaling)
+            # attended: [B, W, H, D]
+            if group.real is None:
+                out[group.packed] = attended[:, 0]
+            else:
+                out[group.packed] = attended[group.real]
+        return out.unsqueeze(0)
+
+    def histories(self, layer: int) -> list[torch.Tensor]:
+        """Each row's stored keys ``[L_r, H, D]`` (positions 0..end), in packed order; for test models."""
+        keys = self.cache.keys[layer]
+        assert keys is not None
+        out = []
+        for table, start, count in zip(self.tables, self.starts, self.counts, strict=True):
+            positions = torch.arange(start + count, device=table.device)
+            out.append(keys[self.cache.slots(table[None], positions[None])[0]])
+        return out
+
+
+def paged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    ead_batch: PackedBatch | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: the engine's packed pass when ``ead_batch`` is
+    given, plain SDPA otherwise."""
+    if ead_batch is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    ead_batch.write(int(module.layer_idx), key, value)  # type: ignore[arg-type]
+    return ead_batch.attend(module, query, scaling), None
+
+
+def register_attention() -> None:
+    """Make :data:`ATTENTION` a valid ``attn_implementation`` (idempotent); masks for other calls are SDPA's."""
+    AttentionInterface.register(ATTENTION, paged_attention)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+@dataclass(frozen=True)
+class PassRow:
+    """One sequence in one pass: feed what the model has not seen, read the last ``read`` positions."""
+
+    kv: SequenceKV
+    tokens: Sequence[int]
+    """The whole sequence so far; the model has seen ``kv.length`` of them."""
+    read: int = 1
+    """Positions whose next-token logits are needed, counted back from the end (1: the next token;
+    a verification of g drafts reads g + 1)."""
 
 
 @dataclass
-class ForwardRow:
-    """A request for next-token logits of one sequence from one model."""
+class RunnerOutput:
+    """Logits of every row that ran, and the error of every row that failed alone."""
 
-    slot: int
-    cache: ModelCache
-    tokens: Sequence[int]
-    """The whole sequence so far (prompt and generated); the model has seen ``cache.seen`` of them."""
+    logits: torch.Tensor
+    """[N, V] float32 logits of the read positions of the rows that ran."""
+    start: dict[int, int] = field(default_factory=dict)
+    """Row index -> its first row in ``logits`` (its reads follow, oldest first)."""
+    reads: dict[int, int] = field(default_factory=dict)
+    work: dict[int, ForwardWork] = field(default_factory=dict)
+    failures: dict[int, BaseException] = field(default_factory=dict)
+
+    def rows(self, row: int) -> torch.Tensor:
+        """``[read, V]`` logits of one row."""
+        return self.logits[self.start[row] : self.start[row] + self.reads[row]]
+
+    def last_rows(self, rows: list[int]) -> torch.Tensor:
+        """``[B, V]`` logits at the last read position of each of ``rows`` (no copy when that is all of them)."""
+        index = [self.start[i] + self.reads[i] - 1 for i in rows]
+        if index == list(range(self.logits.shape[0])):
+            return self.logits
+        return self.logits.index_select(0, torch.tensor(index, device=self.logits.device))
+
+    def padded_rows(self, rows: list[int], width: int) -> torch.Tensor:
+        """``[R, width, V]`` logits of each of ``rows``' reads, its last one repeated past its end."""
+        index = [[self.start[i] + min(j, self.reads[i] - 1) for j in range(width)] for i in rows]
+        return self.logits[torch.tensor(index, device=self.logits.device)]
 
 
 def check_full_attention(source: str, config: Any) -> None:
-    """Refuse models with sliding-window or linear-attention layers: the pooled cache keeps every
-    position and the runner's mask lets a token see all earlier ones, which those layers must not."""
+    """Refuse models with sliding-window or linear-attention layers: the paged cache keeps every
+    position and a row attends to all its earlier ones, which those layers must not."""
     kinds = set(getattr(config, "layer_types", None) or [])
     if kinds - {"full_attention"}:
         raise ValueError(
             f"{source}: layers of kind {sorted(kinds - {'full_attention'})} are not supported "
-            "(ead-llm's KV pool serves full-attention models only)"
+            "(ead-llm's KV cache serves full-attention models only)"
         )
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         raise ValueError(f"{source}: sliding-window attention is not supported (ead-llm serves full-attention models)")
 
 
 class ModelRunner:
-    """Runs one model of the pair over a group of sequences in one batched forward pass."""
+    """Runs one model of the pair over the rows of a pass (see the module docstring)."""
 
-    def __init__(
-        self, loaded: LoadedModel, device: torch.device, vocab_size: int, slots: int, max_positions: int | None
-    ) -> None:
+    def __init__(self, loaded: LoadedModel, device: torch.device, vocab_size: int, cache: KVCache) -> None:
         self.role: Role = loaded.role
         self.model = loaded.model
-        check_full_attention(loaded.info.source, self.model.config)
         self.device = device
         self.vocab_size = vocab_size
-        self.pool = KVPool(slots, max_positions, self.model.config.num_hidden_layers)
-        self._dtype: torch.dtype = getattr(self.model, "dtype", torch.float32)
-        params = inspect.signature(self.model.forward).parameters
-        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.cache = cache
+        self.retried_passes = 0
+        check_full_attention(loaded.info.source, self.model.config)
+        if not getattr(self.model, "handles_ead_batch", False):
+            if not getattr(self.model, "_supports_attention_backend", False):
+                raise ValueError(
+                    f"{loaded.info.source}: {type(self.model).__name__} does not take transformers' attention "
+                    "interface, which ead-llm's paged KV cache needs; use a model family that does (Llama, "
+                    "Qwen2, Mistral, GPT-2, ...)"
+                )
+            register_attention()
+            self.model.set_attn_implementation(ATTENTION)
+        self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
 
-    def forward(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[ForwardWork]]:
-        """Next-token logits [B, V] (float32, on the model's device, in ``rows`` order) and the work per row."""
-        logits, order, counts, work = self._run(rows)  # logits: [B, N, V] in slot order
-        batch = len(rows)
-        picked = logits[torch.arange(batch, device=logits.device), counts - 1]  # [B, V]
-        out = torch.empty_like(picked)
-        out[torch.tensor(order, device=picked.device)] = picked
-        return out, work
-
-    def forward_all(self, rows: Sequence[ForwardRow]) -> tuple[list[torch.Tensor], list[ForwardWork]]:
-        """Logits at every new position of each row (``[n_i, V]``, in ``rows`` order: what verifying
-        drafts needs) and the work per row."""
-        logits, order, counts, work = self._run(rows)
-        per_row: list[torch.Tensor] = [logits[0, :0]] * len(rows)
-        for b, i in enumerate(order):
-            per_row[i] = logits[b, : int(counts[b])]  # [n_i, V]
-        return per_row, work
-
-    def _run(self, rows: Sequence[ForwardRow]) -> tuple[torch.Tensor, list[int], torch.Tensor, list[ForwardWork]]:
-        """One batched pass: logits ``[B, N, V]`` with rows in slot order, that order, each row's new-token
-        count (slot order), and the work per row (``rows`` order)."""
-        news = [list(row.tokens[row.cache.seen :]) for row in rows]
-        if any(not new for new in news):
-            raise RuntimeError("the runner was asked for logits with no new token to feed")
-        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)  # slot order: a run of slots is a view
-        device = self.device
-        batch, width = len(rows), max(len(new) for new in news)
-        slot_list = [rows[i].slot for i in order]
-        slots = torch.tensor(slot_list, dtype=torch.long, device=device)  # [B]
-        starts = torch.tensor([rows[i].cache.seen for i in order], dtype=torch.long, device=device)  # [B]
-        counts = torch.tensor([len(news[i]) for i in order], dtype=torch.long, device=device)  # [B]
-        input_ids = torch.zeros((batch, width), dtype=torch.long, device=device)  # [B, N], right-padded
-        for b, i in enumerate(order):
-            input_ids[b, : len(news[i])] = torch.tensor(news[i], dtype=torch.long)
-        offsets = torch.arange(width, device=device)
-        # a pad repeats its row's last real position: a valid position id, and it sees what that token sees
-        last_visible = starts[:, None] + torch.minimum(offsets[None, :], counts[:, None] - 1)  # [B, N]
-        length = int((starts + counts).max())
-        keys = torch.arange(length, device=device)
-        visible = keys[None, None, :] <= last_visible[:, :, None]  # [B, N, L]: true positions, causal
-        mask = torch.zeros((batch, 1, width, length), dtype=self._dtype, device=device)  # additive
-        mask.masked_fill_(~visible[:, None], torch.finfo(self._dtype).min)
-        rows_idx, cols_idx = torch.nonzero(offsets[None, :] < counts[:, None], as_tuple=True)
-        index = WriteIndex(rows_idx, cols_idx, slots[rows_idx], starts[rows_idx] + cols_idx, length)
-        span = slice(slot_list[0], slot_list[0] + batch) if slot_list[-1] - slot_list[0] == batch - 1 else None
-        cache = PoolCache(self.pool, slots, span, index, length)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=last_visible,
-            cache_position=torch.arange(length - width, length, device=device),
-            use_cache=True,
-            logits_to_keep=width,
-            **{self._cache_kwarg: cache},
+    def execute(self, rows: Sequence[PassRow]) -> RunnerOutput:
+        """Run ``rows`` in one pass (bisecting on failure); advance each successful row's cache length."""
+        chunks: list[tuple[list[int], torch.Tensor]] = []
+        failures: dict[int, BaseException] = {}
+        self._execute(rows, list(range(len(rows))), chunks, failures)
+        logits = (
+            chunks[0][1] if len(chunks) == 1 else self._empty() if not chunks else torch.cat([c for _, c in chunks])
         )
-        logits = out.logits[:, :, : self.vocab_size].float()  # [B, N, V], slot order
-        work = []
+        out = RunnerOutput(logits=logits, failures=failures)
+        at = 0
+        for indices, _ in chunks:
+            for i in indices:
+                row = rows[i]
+                new = len(row.tokens) - row.kv.length
+                out.start[i], out.reads[i] = at, row.read
+                out.work[i] = ForwardWork(self.role, new, row.kv.length)
+                row.kv.length += new
+                at += row.read
+        return out
+
+    def _execute(
+        self,
+        rows: Sequence[PassRow],
+        indices: list[int],
+        chunks: list[tuple[list[int], torch.Tensor]],
+        failures: dict[int, BaseException],
+    ) -> None:
+        try:
+            chunks.append((indices, self._run([rows[i] for i in indices])))
+        except Exception as exc:
+            if len(indices) == 1:
+                failures[indices[0]] = exc
+                return
+            self.retried_passes += 1
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            half = len(indices) // 2
+            self._execute(rows, indices[:half], chunks, failures)
+            self._execute(rows, indices[half:], chunks, failures)
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((0, self.vocab_size), device=self.device)
+
+    def _run(self, rows: Sequence[PassRow]) -> torch.Tensor:
+        """One packed pass; logits ``[N, V]`` (float32) of the read positions, rows in ``rows`` order."""
+        batch, ids, positions, keep = self._pack(rows)
+        out = self.model(
+            input_ids=ids[None],
+            position_ids=positions[None],
+            attention_mask=self._no_mask,
+            logits_to_keep=keep,
+            use_cache=False,
+            ead_batch=batch,
+        )
+        return out.logits[0, :, : self.vocab_size].float()
+
+    def _pack(self, rows: Sequence[PassRow]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The packed batch: decode rows first, then multi-token rows; the inputs in that order, and the
+        packed indices of the read positions in ``rows`` order."""
+        news = [len(row.tokens) - row.kv.length for row in rows]
+        if any(n <= 0 for n in news):
+            raise RuntimeError("the runner was asked for logits with no new token to feed")
         for row, new in zip(rows, news, strict=True):
-            work.append(ForwardWork(self.role, len(new), row.cache.seen))
-            row.cache.seen += len(new)
-        return logits, order, counts, work
+            if not 1 <= row.read <= new:
+                raise RuntimeError(f"a row reads {row.read} positions but feeds {new}")
+        order = sorted(range(len(rows)), key=lambda i: news[i] > 1)  # decode rows first (stable)
+        device, size = self.device, self.cache.block_size
+        counts = [news[i] for i in order]
+        starts = [rows[i].kv.length for i in order]
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count)
+        flat_ids: list[int] = []
+        for i in order:
+            flat_ids.extend(rows[i].tokens[rows[i].kv.length :])
+        ids = torch.tensor(flat_ids, dtype=torch.long, device=device)  # [T]
+        width_blocks = max(math.ceil((s + c) / size) for s, c in zip(starts, counts, strict=True))
+        tables = torch.tensor(
+            [rows[i].kv.blocks[:width_blocks] + [0] * (width_blocks - len(rows[i].kv.blocks)) for i in order],
+            dtype=torch.long,
+            device=device,
+        )  # [B, M]
+        row_of = torch.repeat_interleave(
+            torch.arange(len(order), device=device), torch.tensor(counts, device=device)
+        )  # [T]
+        first = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
+        start = torch.tensor(starts, dtype=torch.long, device=device)
+        positions = start[row_of] + torch.arange(len(flat_ids), device=device) - first[row_of]  # [T]
+        write_slots = self.cache.slots(tables[row_of], positions[:, None])[:, 0]
+        decode = sum(1 for c in counts if c == 1)
+        groups = []
+        if decode:
+            groups.append(self._group(tables[:decode], starts[:decode], counts[:decode], offsets[:decode]))
+        if decode < len(order):
+            groups.append(self._group(tables[decode:], starts[decode:], counts[decode:], offsets[decode:-1]))
+        batch = PackedBatch(self.cache, write_slots, tuple(groups), tuple(counts), tuple(starts), tables)
+        where = {i: b for b, i in enumerate(order)}
+        keep: list[int] = []
+        for i, row in enumerate(rows):
+            end = offsets[where[i] + 1]
+            keep.extend(range(end - row.read, end))
+        return batch, ids, positions, torch.tensor(keep, dtype=torch.long, device=device)
+
+    def _group(self, tables: torch.Tensor, starts: list[int], counts: list[int], offsets: list[int]) -> AttentionGroup:
+        device = self.device
+        width, ends = max(counts), [s + c for s, c in zip(starts, counts, strict=True)]
+        length = max(ends)
+        count = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
+        end = torch.tensor(ends, dtype=torch.long, device=device)
+        offset = torch.tensor(offsets, dtype=torch.long, device=device)
+        cols = torch.arange(width, device=device)
+        query_index = offset[:, None] + torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
+        key_pos = torch.minimum(torch.arange(length, device=device)[None, :], end[:, None] - 1)  # [B, L]
+        key_slots = self.cache.slots(tables, key_pos)
+        if width == 1:
+            mask = None
+            if min(ends) < length:  # some rows are shorter: hide the positions past their end
+                mask = (torch.arange(length, device=device)[None, :] < end[:, None])[:, None, None, :]
+            return AttentionGroup(query_index, key_slots, mask, None, query_index[:, 0])
+        query_pos = end[:, None] - count[:, None] + torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
+        mask = torch.arange(length, device=device)[None, None, :] <= query_pos[:, :, None]  # [B, W, L]
+        rows, columns = torch.nonzero(cols[None, :] < count[:, None], as_tuple=True)
+        return AttentionGroup(query_index, key_slots, mask[:, None], (rows, columns), query_index[rows, columns])

@@ -21,10 +21,11 @@ def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
     return -(plogp.sum(dim=-1)) * LOG2E
 
 
-def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Scale ``logits`` [..., V] by ``1 / temperature`` (temperature > 0), after shifting each row's
-    maximum to 0: the same distribution, but a tiny temperature cannot overflow to inf (and NaN)."""
-    if temperature <= 0:
+def apply_temperature(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """Scale ``logits`` [..., V] by ``1 / temperature`` (> 0; a float, or a tensor broadcasting against the
+    logits such as [B, 1]), after shifting each row's maximum to 0: the same distribution, but a tiny
+    temperature cannot overflow to inf (and NaN)."""
+    if isinstance(temperature, (int, float)) and temperature <= 0:
         raise ValueError(f"temperature must be > 0 here, got {temperature}")
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
     # a temperature below float32's range divides by 0: the maxima stay 0, the rest go to -inf
@@ -43,12 +44,13 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, float("-inf"))
 
 
-def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Nucleus filter on [..., V]: keep the smallest set of most likely tokens whose mass >= ``p``.
+def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
+    """Nucleus filter on [..., V]: keep the smallest set of most likely tokens whose mass >= ``p`` (a float,
+    or per row a tensor such as [B, 1]).
 
     The most likely token is always kept; ``p >= 1`` leaves the logits unchanged.
     """
-    if p >= 1.0:
+    if isinstance(p, (int, float)) and p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., V]
     probs = torch.softmax(sorted_logits, dim=-1)

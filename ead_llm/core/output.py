@@ -1,4 +1,9 @@
-"""Incremental detokenization and stop-string matching on the decoded text."""
+"""The output processor: token ids -> text, stop strings across tokens, the finish reason.
+
+It runs off the model's hot path: after a step, on the scheduler thread for sequences whose end
+depends on their text (stop strings) or whose paths branch, and otherwise on the caller's thread
+as it reads its events.
+"""
 
 from __future__ import annotations
 
@@ -119,3 +124,34 @@ class StopMatcher:
         """Release what is held when the sequence ends without a stop."""
         held, self._held = self._held, ""
         return held
+
+
+class OutputProcessor:
+    """One sequence's text: incremental detokenization, then stop strings."""
+
+    def __init__(self, tokenizer: Decoder, context: Sequence[int], stops: Sequence[str]) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, context)
+        self._stops = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string has been completed (nothing more is released)."""
+        return self._stops.matched
+
+    def push(self, token_id: int, *, last: bool) -> str:
+        """The text ``token_id`` releases; with ``last`` (the sequence ends here) everything still held.
+
+        A stop string completed by the token (or by the text held until the end) sets ``stopped``.
+        """
+        text = self._stops.push(self._detok.push(token_id))
+        if last and not self._stops.matched:
+            text += self._stops.push(self._detok.flush())
+            if not self._stops.matched:
+                text += self._stops.flush()
+        return text
+
+    def clone(self) -> OutputProcessor:
+        """An independent copy (a branched path continues from the same text state)."""
+        twin = object.__new__(OutputProcessor)
+        twin._detok, twin._stops = self._detok.clone(), self._stops.clone()
+        return twin

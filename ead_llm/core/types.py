@@ -1,4 +1,4 @@
-"""Small value types that pass between the policy, the runner, the sampler and the ledger."""
+"""Small value types that pass between the roles: the scheduler, the decoders, the runner, the ledger."""
 
 from __future__ import annotations
 
@@ -63,3 +63,50 @@ class TokenEvent:
     prompt_tokens: int = 0
     """On a request's first event (path 0): the prompt tokens it decoded from, after any truncation;
     0 on every other event, so that summing over events counts each prompt once."""
+    branched_from: tuple[int, int] | None = None
+    """On the first event of a path branched off another (EAGER): ``(parent path, tokens)``, the path
+    continues the first ``tokens`` generated tokens of its parent."""
+
+
+# -- what a decoder asks the scheduler to do with a sequence (policies/base.py's Decoder returns them)
+
+
+@dataclass(frozen=True)
+class Emit:
+    """Append ``token`` to the output, written by ``role`` from a distribution of ``entropy`` bits; it
+    carries the work not yet billed and ``counters``."""
+
+    token: int
+    role: Role
+    entropy: float
+    counters: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Append ``token`` to the sequence without emitting it (a speculative draft, judged later)."""
+
+    token: int
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """Keep the first ``keep`` tokens of the sequence; each model keeps at most ``seen`` of them cached
+    (``(role, positions)`` pairs): what it must re-read is fed again at its next pass."""
+
+    keep: int
+    seen: tuple[tuple[Role, int], ...]
+
+
+@dataclass(frozen=True)
+class Fork:
+    """Start a new path from the sequence as it is (before this step's ``Emit``), whose first token is
+    ``token``, written by ``role``."""
+
+    token: int
+    role: Role
+    entropy: float
+    counters: tuple[tuple[str, int], ...] = ()
+
+
+Action = Emit | Draft | Rollback | Fork

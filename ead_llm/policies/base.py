@@ -1,11 +1,18 @@
-"""Decoding policies: each decides, token by token, which model of the pair speaks.
+"""Decoding policies, and the decoders that carry them out inside the engine.
 
-A policy is a frozen settings object with pure transitions over an explicit per-sequence state:
-``start()`` gives the state before the first token (``start_sequence(key)`` when the state may
-depend on which sequence it is), ``choose(state)`` names the model that
-produces the next token, and ``advance(state, role, entropy)`` returns the state after that
-model emitted a token whose distribution had ``entropy`` bits (raw logits, before temperature).
-Policies never run models and never write to the ledger.
+A policy is a frozen settings object (what the user configures) with pure transitions over an
+explicit per-sequence state: ``start()`` gives the state before the first token
+(``start_sequence(key)`` when the state may depend on which sequence it is), ``choose(state)``
+names the model that produces the next token, and ``advance(state, role, entropy)`` returns the
+state after that model emitted a token whose distribution had ``entropy`` bits (raw logits, before
+temperature). Policies never run models and never write to the ledger.
+
+Each policy builds a :class:`Decoder` per sequence (``policy.build_decoder(key, call)``), one class per policy
+family: switching (:mod:`ead_llm.policies.switching`), draft-and-verify
+(:mod:`ead_llm.policies.speculative`), branching (:mod:`ead_llm.policies.eager`). A decoder says what
+its sequence needs from the next pass (:meth:`Decoder.read`) and turns the pass's result into
+actions for the scheduler (:class:`~ead_llm.core.types.Emit`, ``Draft``, ``Rollback``, ``Fork``);
+the engine never asks what type a policy is.
 """
 
 from __future__ import annotations
@@ -13,9 +20,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ead_llm.core.types import Role
+from ead_llm.core.types import Action, Emit, Role
+
+if TYPE_CHECKING:
+    import torch
+
+    from ead_llm.core.request import SamplingParams
 
 
 class Policy(ABC):
@@ -49,6 +61,143 @@ class Policy(ABC):
     def describe(self) -> dict[str, Any]:
         """Name and settings, for logs and results."""
         return {"policy": self.name, **{k: v for k, v in vars(self).items() if not k.startswith("_")}}
+
+    def counters(self) -> tuple[str, ...]:
+        """Names of the policy-specific counts its completions report (present, 0 when nothing happened)."""
+        return ()
+
+    def select(self, texts: list[str]) -> tuple[int, dict[str, int] | None]:
+        """Which path of a request is its completion, given every path's text, and the vote behind the
+        choice (None when the policy does not vote). Default: the only path."""
+        return 0, None
+
+    def sampling(self, params: SamplingParams) -> SamplingParams:
+        """The sampling settings its sequences run with (a policy may impose some). Default: as asked."""
+        return params
+
+    def build_decoder(self, key: int, call: dict[str, Any]) -> Decoder:
+        """The decoder of one sequence. ``key``: see :meth:`start_sequence`; ``call``: state shared by the
+        decoders of one call (a budget across its prompts). Default: switching, one model per token as
+        ``choose`` says."""
+        from ead_llm.policies.switching import SwitchingDecoder
+
+        return SwitchingDecoder(self, self.start_sequence(key))
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a sequence needs from the next step: logits of ``role`` at its next position, or, with
+    ``verify``, at the position before each of its ``drafts`` and one more."""
+
+    role: Role
+    verify: bool = False
+    drafts: int = 0
+
+    @property
+    def positions(self) -> int:
+        """Positions whose logits the pass returns for this sequence."""
+        return self.drafts + 1 if self.verify else 1
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One sequence's row of a pass, sampled."""
+
+    role: Role
+    token: int
+    """Drawn under the sequence's sampling settings (argmax when greedy)."""
+    entropy: float
+    """Bits, of the raw logits."""
+    logits: torch.Tensor
+    """[V] raw logits (a view into the pass's output; a draft keeps it for its verification)."""
+    top2: tuple[int, int] | None = None
+    """The two most likely tokens, when the decoder asked for branch statistics."""
+    top_k_nats: float | None = None
+    """EAGER's entropy (nats over the renormalised top-k), when asked for."""
+
+
+@dataclass(frozen=True)
+class RoundVerdict:
+    """A speculative round, judged (see :mod:`ead_llm.core.rejection_sampler`)."""
+
+    accepted: int
+    token: int | None
+    """The large model's token that closes the round; None: the round ends with its drafts."""
+    entropy_rejection: bool
+    target_entropy: tuple[float, ...]
+    """Bits of the large model's logits at each verified position."""
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """What the rejection sampler needs of one sequence's round."""
+
+    tokens: tuple[int, ...]
+    logits: tuple[torch.Tensor, ...]
+    """[V] raw logits each draft was drawn from."""
+    entropies: tuple[float, ...]
+    first_position: int
+    """Position of the first draft in the sequence."""
+    entropy_threshold: float = math.inf
+    top_n: int = 1
+    overlap_threshold: float = 1.0
+    oracle: bool = False
+
+
+class SequenceView(Protocol):
+    """What a decoder may read of its sequence (the scheduler's ``Sequence``)."""
+
+    tokens: list[int]
+    generated: int
+    max_length: int
+    """Most positions the sequence may reach (prompt + max_tokens, within the context)."""
+
+    def is_end(self, token: int) -> bool:
+        """Whether ``token`` ends the text (EOS, unless the request ignores it)."""
+
+
+class ForkRoom(Protocol):
+    """The scheduler's answer to "may this sequence branch now?"; ``take`` claims a place."""
+
+    def take(self) -> bool: ...
+
+
+class Decoder(ABC):
+    """Drives one sequence under its policy: what it needs from each step, and what the result means."""
+
+    branch_stats: ClassVar[bool] = False
+    """Whether its sampled rows need the top-2 tokens and EAGER's entropy."""
+    forks: ClassVar[bool] = False
+    """Whether it may branch new paths (its text is then made on the scheduler thread)."""
+
+    @abstractmethod
+    def read(self, seq: SequenceView) -> Read:
+        """What the sequence needs from the next step."""
+
+    def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
+        """The actions for a sampled row of this sequence."""
+        raise NotImplementedError(f"{type(self).__name__} does not sample")
+
+    def draft_round(self, seq: SequenceView) -> DraftRound:
+        """The round to verify, for a ``Read(verify=True)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
+
+    def on_verdict(self, seq: SequenceView, verdict: RoundVerdict) -> list[Action]:
+        """The actions for a judged round."""
+        raise NotImplementedError(f"{type(self).__name__} does not verify drafts")
+
+    def on_preempt(self, seq: SequenceView) -> int:
+        """The sequence loses its caches (the scheduler needs the memory): how many of its tokens
+        stand (drafts are dropped). Default: all of them."""
+        return len(seq.tokens)
+
+    def fork(self) -> Decoder:
+        """The decoder of a path branched off this one."""
+        raise NotImplementedError(f"{type(self).__name__} does not branch")
+
+    @staticmethod
+    def emit(sample: TokenSample, counters: tuple[tuple[str, int], ...] = ()) -> Emit:
+        return Emit(sample.token, sample.role, sample.entropy, counters)
 
 
 @dataclass(frozen=True)

@@ -18,16 +18,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import torch
-
-from ead_llm.core.ops import sample_token
-from ead_llm.core.request import SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
 from ead_llm.policies.base import Policy
-from ead_llm.policies.speculative import SpeculativeDecoding, Verdict
+from ead_llm.policies.speculative import SpeculativeDecoding
 
 
 @dataclass(frozen=True)
@@ -130,23 +126,5 @@ class OracleSwitching(SpeculativeDecoding):
             raise ValueError("OracleSwitching compares one position at a time: gamma must be 1, not adaptive")
         super().__post_init__()
 
-    def judge(
-        self,
-        drafts: list[int],
-        small_logits: torch.Tensor,
-        large_logits: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Verdict:
-        for i in range(len(drafts)):
-            if int(torch.argmax(small_logits[i])) != int(torch.argmax(large_logits[i])):
-                return Verdict(i, self._large_token(large_logits[i], params, generator))
-        if drafts:  # no bonus token: whether the models agree on the next position is not known yet
-            return Verdict(len(drafts), None)
-        return Verdict(0, self._large_token(large_logits[0], params, generator))
-
-    @staticmethod
-    def _large_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        return sample_token(
-            logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generator=generator
-        )
+    def rejection_settings(self) -> dict[str, Any]:
+        return {"oracle": True}

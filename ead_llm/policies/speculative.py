@@ -2,11 +2,12 @@
 
 A round: the small model drafts up to ``gamma`` tokens (one engine step each, batched with other
 sequences' drafts), then the large model scores the last accepted token and every draft in one
-pass. :meth:`SpeculativeDecoding.judge` (the rejection sampler) decides how many drafts stand and
-draws the round's last token: the correction after a rejection, or a bonus token from the large
-model when every draft stood. Rejected positions are rolled back by moving each model's cache
-length back (nothing is recomputed). The engine emits the accepted drafts (attributed to the small
-model) and the round's last token (the large model) as ordinary token events.
+pass. The rejection sampler (:mod:`ead_llm.core.rejection_sampler`, every round of a step in one
+batch) decides how many drafts stand and draws the round's last token: the correction after a
+rejection, or a bonus token from the large model when every draft stood. Rejected positions are
+rolled back by moving each model's cache length back (nothing is recomputed). The engine emits the
+accepted drafts (attributed to the small model) and the round's last token (the large model) as
+ordinary token events.
 
 Speculative sampling (Leviathan et al., arXiv 2211.17192): draft ``x`` stands with probability
 ``min(1, p_L(x) / p_S(x))`` on the two sampling distributions (temperature, top-k, top-p
@@ -22,24 +23,14 @@ other token).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from ead_llm.core.ops import (
-    acceptance_probability,
-    entropy_bits,
-    residual_probs,
-    sampling_probs,
-    top_n_overlap,
-    without_token,
-)
-from ead_llm.core.request import SamplingParams
-from ead_llm.core.types import Role
+from ead_llm.core.types import Action, Draft, Emit, Role, Rollback
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import Policy
+from ead_llm.policies.base import Decoder, DraftRound, ForkRoom, Policy, Read, RoundVerdict, SequenceView, TokenSample
 
 
 @dataclass(frozen=True)
@@ -52,22 +43,6 @@ class SpecState:
     """Drafts made so far this round."""
     next_gamma: int = 0
     """Drafts the next round asks for (adaptive gamma moves it)."""
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """What the rejection sampler decided for one round."""
-
-    accepted: int
-    """Drafts that stand (a prefix of the drafts)."""
-    token: int | None
-    """The round's last token, drawn from the large model (None: the round ends with its drafts)."""
-    entropy_rejections: int = 0
-    """1 when EASD rejected a draft that would have stood."""
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 @dataclass(frozen=True)
@@ -114,50 +89,15 @@ class SpeculativeDecoding(Policy):
             gamma = min(self.max_gamma, gamma + 1) if accepted == drafted else max(1, gamma - 1)
         return SpecState(gamma=gamma, drafted=0, next_gamma=gamma)
 
-    def uncertain_agreement(self, small_logits: torch.Tensor, large_logits: torch.Tensor) -> bool:
-        """EASD's extra rejection test on one position's raw logits; never for plain speculative decoding."""
-        return False
+    def counters(self) -> tuple[str, ...]:
+        return ("drafted_tokens", "accepted_tokens", "entropy_rejections")
 
-    def judge(
-        self,
-        drafts: list[int],
-        small_logits: torch.Tensor,
-        large_logits: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> Verdict:
-        """The rejection sampler. ``small_logits``: [gamma, V] raw logits the drafts were drawn from;
-        ``large_logits``: [gamma + 1, V] the large model's raw logits at the same positions and one more."""
-        greedy = params.temperature == 0.0
-        if greedy:
-            p = q = None
-        else:
-            p = sampling_probs(large_logits.float().cpu(), params.temperature, params.top_k, params.top_p)  # [g+1, V]
-            q = sampling_probs(small_logits.float().cpu(), params.temperature, params.top_k, params.top_p)  # [g, V]
-        for i, token in enumerate(drafts):
-            if greedy:
-                stands = token == int(torch.argmax(large_logits[i]))
-            else:
-                assert p is not None and q is not None
-                u = float(torch.rand(1, generator=generator))
-                stands = u < acceptance_probability(p[i], q[i], token)
-            if stands and self.uncertain_agreement(small_logits[i], large_logits[i]):
-                if greedy:
-                    masked = large_logits[i].clone()
-                    masked[token] = -math.inf
-                    return Verdict(i, int(torch.argmax(masked)), entropy_rejections=1)
-                assert p is not None
-                return Verdict(i, _draw(without_token(p[i], token), generator), entropy_rejections=1)
-            if not stands:
-                if greedy:
-                    return Verdict(i, int(torch.argmax(large_logits[i])))
-                assert p is not None and q is not None
-                return Verdict(i, _draw(residual_probs(p[i], q[i]), generator))
-        last = len(drafts)
-        if greedy:
-            return Verdict(last, int(torch.argmax(large_logits[last])))
-        assert p is not None
-        return Verdict(last, _draw(p[last], generator))
+    def rejection_settings(self) -> dict[str, Any]:
+        """How the rejection sampler judges this policy's drafts (beyond speculative sampling's rule)."""
+        return {}
+
+    def build_decoder(self, key: int, call: dict[str, Any]) -> DraftVerifyDecoder:
+        return DraftVerifyDecoder(self, self.start_sequence(key))
 
 
 @dataclass(frozen=True)
@@ -179,11 +119,75 @@ class EASD(SpeculativeDecoding):
         check_int("top_n", self.top_n, minimum=1)
         check_float("overlap_threshold", self.overlap_threshold, minimum=0.0, maximum=1.0)
 
-    def uncertain_agreement(self, small_logits: torch.Tensor, large_logits: torch.Tensor) -> bool:
-        if math.isinf(self.entropy_threshold):
-            return False
-        both = torch.stack([small_logits.float(), large_logits.float()])  # [2, V]
-        h_small, h_large = entropy_bits(both).tolist()
-        if h_small <= self.entropy_threshold or h_large <= self.entropy_threshold:
-            return False
-        return top_n_overlap(small_logits, large_logits, self.top_n) > self.overlap_threshold
+    def rejection_settings(self) -> dict[str, Any]:
+        return {
+            "entropy_threshold": self.entropy_threshold,
+            "top_n": self.top_n,
+            "overlap_threshold": self.overlap_threshold,
+        }
+
+
+class DraftVerifyDecoder(Decoder):
+    """The draft-and-verify family: the small model drafts a round one step at a time (batched with
+    other sequences' steps), then the large model reads the round in one pass and the rejection
+    sampler (:mod:`ead_llm.core.rejection_sampler`) judges it with every other round of the step.
+
+    After the verdict the caches are rolled back by length: the small model keeps what stood, and
+    the large model, when no token of its own closes the round, re-reads the last kept draft next
+    round (its logits there are what the next round's first draft is judged against). The round's
+    passes are billed with its first emitted token.
+    """
+
+    def __init__(self, policy: SpeculativeDecoding, state: SpecState) -> None:
+        self.policy, self.state = policy, state
+        self.drafts: list[tuple[int, torch.Tensor, float]] = []
+        """This round's drafts: token, the small model's raw logits it was drawn from, their entropy."""
+
+    def read(self, seq: SequenceView) -> Read:
+        if not self.drafts:
+            room = max(0, seq.max_length - len(seq.tokens) - 1)  # drafts that leave room for the closing token
+            self.state = self.policy.begin_round(self.state, room)
+        if self.policy.choose(self.state) is Role.SMALL:
+            return Read(Role.SMALL)
+        return Read(Role.LARGE, verify=True, drafts=len(self.drafts))
+
+    def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
+        self.state = self.policy.advance(self.state, sample.role, sample.entropy)
+        self.drafts.append((sample.token, sample.logits, sample.entropy))
+        if seq.is_end(sample.token):  # nothing after an end-of-text draft could be kept
+            self.state = self.policy.cut_round(self.state)
+        return [Draft(sample.token)]
+
+    def draft_round(self, seq: SequenceView) -> DraftRound:
+        tokens, logits, entropies = zip(*self.drafts, strict=True) if self.drafts else ((), (), ())
+        return DraftRound(
+            tokens=tuple(tokens),
+            logits=tuple(logits),
+            entropies=tuple(entropies),
+            first_position=len(seq.tokens) - len(self.drafts),
+            **self.policy.rejection_settings(),
+        )
+
+    def on_verdict(self, seq: SequenceView, verdict: RoundVerdict) -> list[Action]:
+        drafted, accepted = len(self.drafts), verdict.accepted
+        prefix = len(seq.tokens) - drafted
+        large_seen = prefix + accepted - (1 if verdict.token is None else 0)
+        rollback = Rollback(keep=prefix, seen=((Role.LARGE, large_seen), (Role.SMALL, prefix + accepted)))
+        self.state = self.policy.end_round(self.state, drafted, accepted)
+        emitted = [Emit(token, Role.SMALL, entropy) for token, _, entropy in self.drafts[:accepted]]
+        if verdict.token is not None:
+            emitted.append(Emit(verdict.token, Role.LARGE, verdict.target_entropy[accepted]))
+        self.drafts = []
+        counters = (
+            ("drafted_tokens", drafted),
+            ("accepted_tokens", accepted),
+            ("entropy_rejections", int(verdict.entropy_rejection)),
+        )
+        if emitted:
+            emitted[0] = replace(emitted[0], counters=counters)
+        return [rollback, *emitted]
+
+    def on_preempt(self, seq: SequenceView) -> int:
+        keep = len(seq.tokens) - len(self.drafts)
+        self.drafts = []  # the round starts again once the sequence is back
+        return keep

@@ -10,92 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 from ead_llm.core.validation import check_float, check_int
+from ead_llm.evaluation.extract import EXTRACTORS, normalize
 from ead_llm.evaluation.task import problems
-
-Extract = Callable[[str], str | None]
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
-_HASHES = re.compile(r"####[ \t]*([^\n]*)")
-_CHOICE = re.compile(r"(?:^|[^A-Za-z])\(?([A-E])\)?(?=$|[^A-Za-z])")
-
-
-def extract_hashes(text: str) -> str | None:
-    """What follows the first ``####`` on its line (GSM8K's and the embedded task's format); just
-    the number when the line starts with one (``#### 72 dollars`` -> ``72``)."""
-    match = _HASHES.search(text)
-    if match is None:
-        return None
-    rest = match.group(1).strip()
-    number = _NUMBER.match(rest)
-    return number.group(0) if number else rest or None
-
-
-def extract_last_number(text: str) -> str | None:
-    """The last number in the text (thousands separators allowed)."""
-    found = _NUMBER.findall(text)
-    return found[-1] if found else None
-
-
-def extract_first_line(text: str) -> str | None:
-    """The first non-empty line."""
-    return next((line.strip() for line in text.splitlines() if line.strip()), None)
-
-
-def extract_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}`` (balanced braces)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            if depth == 0:
-                return text[begin:i].strip() or None
-            depth -= 1
-    return None
-
-
-def extract_choice(text: str) -> str | None:
-    """The first standalone option letter A-E (``B``, ``(B)``, ``answer: B``)."""
-    match = _CHOICE.search(text)
-    return match.group(1) if match else None
-
-
-def extract_exact(text: str) -> str | None:
-    """The whole output, stripped."""
-    return text.strip() or None
-
-
-EXTRACTORS: dict[str, Extract] = {
-    "hashes": extract_hashes,
-    "last_number": extract_last_number,
-    "first_line": extract_first_line,
-    "boxed": extract_boxed,
-    "choice": extract_choice,
-    "exact": extract_exact,
-}
-
-
-def normalize(answer: str) -> str:
-    """Canonical form for comparison: numbers by value (``1,000.0`` == ``1000``), other text stripped."""
-    text = answer.strip()
-    candidate = text.replace(",", "").rstrip(".")
-    try:
-        value = Decimal(candidate)
-    except InvalidOperation:
-        return text
-    if not value.is_finite():
-        return text
-    return format(value.normalize(), "f") if value != value.to_integral_value() else str(int(value))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,180 @@
+"""The rejection sampler: a batch of speculative rounds judged at once, with no per-row Python.
+
+For round ``r`` the small model drafted ``num_drafts[r]`` tokens (padded to ``G``); the large model
+scored the position before each draft and one more. Per position ``i``:
+
+- greedy rows (temperature 0): the draft stands while it is the large model's argmax;
+- sampled rows: it stands with probability ``min(1, p(x) / q(x))``, ``p``/``q`` the two models'
+  sampling distributions (temperature, top-k, top-p) (Leviathan et al., arXiv 2211.17192);
+- oracle rows: it stands while the two models' argmaxes agree (whatever was drafted);
+- EASD rows: a draft that would stand is rejected when both models' entropies (bits, raw logits)
+  exceed ``entropy_threshold`` and their top-``top_n`` sets share more than ``overlap_threshold``
+  of ``top_n`` tokens (arXiv 2512.23765).
+
+The round's last token is drawn at the first rejected position from ``norm(max(0, p - q))``
+(speculative), from ``p`` without the draft (EASD's rejection; greedy: the best other token), or
+from ``p`` (oracle; the bonus after a clean sweep); an oracle round whose drafts all stand ends
+without one. Uniforms come from :func:`ead_llm.core.sampler.uniforms`, keyed by position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ead_llm.core.ops import entropy_bits
+from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, filtered_probs, inverse_cdf, uniforms
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """The inputs of one batch of rounds (all tensors on the logits' device)."""
+
+    draft_tokens: torch.Tensor
+    """[R, G] int64 (padding past ``num_drafts`` is ignored)."""
+    num_drafts: torch.Tensor
+    """[R] int64."""
+    draft_logits: torch.Tensor
+    """[R, G, V] raw logits each draft was drawn from."""
+    draft_entropy: torch.Tensor
+    """[R, G] float32 bits of ``draft_logits`` (computed when the drafts were sampled)."""
+    target_logits: torch.Tensor
+    """[R, G + 1, V] the large model's raw logits at the drafts' positions and one more."""
+    temperature: torch.Tensor
+    """[R] float32 (0: greedy)."""
+    top_k: torch.Tensor
+    """[R] int64."""
+    top_p: torch.Tensor
+    """[R] float32."""
+    keys: torch.Tensor
+    """[R] int64 random keys."""
+    positions: torch.Tensor
+    """[R] int64 position of each round's first draft."""
+    entropy_threshold: torch.Tensor
+    """[R] float32 (inf: no entropy-aware rejection)."""
+    top_n: torch.Tensor
+    """[R] int64."""
+    overlap_threshold: torch.Tensor
+    """[R] float32."""
+    oracle: torch.Tensor
+    """[R] bool."""
+    max_top_k: int = 0
+    """Largest top-k of a sampled row."""
+    max_top_n: int = 1
+    """Largest ``top_n`` of a row that may reject on entropy (1 when none may)."""
+    any_sampled: bool = False
+    any_entropy_rule: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyOutput:
+    """The verdict of each round."""
+
+    accepted: torch.Tensor
+    """[R] int64 drafts that stand (a prefix)."""
+    token: torch.Tensor
+    """[R] int64 the round's last token, written by the large model; -1 when the round ends with its drafts."""
+    entropy_rejection: torch.Tensor
+    """[R] int64: 1 when the round ended on an entropy-aware rejection."""
+    target_entropy: torch.Tensor
+    """[R, G + 1] float32 bits of the large model's raw logits at each position."""
+
+
+def top_n_overlap(a: torch.Tensor, b: torch.Tensor, top_n: torch.Tensor, largest: int) -> torch.Tensor:
+    """``|topN(a) ∩ topN(b)| / N`` over the last dimension of ``a``, ``b`` ``[R, G, V]``, with N = ``top_n`` ``[R]``
+    (at most ``largest``) -> ``[R, G]``."""
+    n = min(largest, a.shape[-1])
+    top_a = torch.topk(a, n, dim=-1).indices  # [R, G, n]
+    top_b = torch.topk(b, n, dim=-1).indices
+    rank = torch.arange(n, device=a.device)
+    limit = torch.clamp(top_n, max=n)[:, None, None]  # [R, 1, 1]
+    in_a = rank[None, None, :] < limit
+    shared = ((top_a[..., :, None] == top_b[..., None, :]) & (rank[None, None, None, :] < limit[..., None])).any(-1)
+    return (shared & in_a).sum(-1).to(torch.float32) / limit[..., 0].to(torch.float32)
+
+
+def verify(batch: VerifyBatch) -> VerifyOutput:
+    """Judge every round of ``batch`` (see the module docstring)."""
+    drafts, device = batch.draft_tokens, batch.draft_tokens.device
+    gamma = drafts.shape[1]
+    vocab = batch.target_logits.shape[-1]
+    target_entropy = entropy_bits(batch.target_logits)  # [R, G+1]
+    target_best = torch.argmax(batch.target_logits, dim=-1)  # [R, G+1]
+    greedy = (batch.temperature == 0)[:, None]  # [R, 1]
+    positions = torch.arange(gamma, device=device)
+    valid = positions[None, :] < batch.num_drafts[:, None]  # [R, G]
+
+    stands = drafts == target_best[:, :gamma]  # greedy rule [R, G]
+    p = q = None
+    if batch.any_sampled:
+        temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+        p = _probs(batch.target_logits, temperature, batch.top_k, batch.top_p, batch.max_top_k)  # [R, G+1, V]
+        q = _probs(batch.draft_logits, temperature, batch.top_k, batch.top_p, batch.max_top_k)  # [R, G, V]
+        p_x = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
+        q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
+        ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 1.0)
+        u = uniforms(batch.keys, batch.positions, LANE_ACCEPT, max(gamma, 1))[:, :gamma]
+        stands = torch.where(greedy, stands, u < ratio.clamp(max=1.0).double())
+    oracle_stands = torch.argmax(batch.draft_logits, dim=-1) == target_best[:, :gamma]
+    stands = torch.where(batch.oracle[:, None], oracle_stands, stands)
+
+    uncertain = torch.zeros_like(stands)
+    if batch.any_entropy_rule and gamma:
+        threshold = batch.entropy_threshold[:, None]
+        both_unsure = (batch.draft_entropy > threshold) & (target_entropy[:, :gamma] > threshold)
+        overlap = top_n_overlap(batch.draft_logits, batch.target_logits[:, :gamma], batch.top_n, batch.max_top_n)
+        uncertain = stands & both_unsure & (overlap > batch.overlap_threshold[:, None])
+    keep = stands & ~uncertain & valid
+    # the first position that does not stand (num_drafts when every draft stands)
+    ends = torch.where(keep, gamma, positions[None, :]).amin(dim=1) if gamma else batch.num_drafts
+    accepted = torch.minimum(ends, batch.num_drafts)  # [R]
+    at = accepted[:, None]
+    rejected = accepted < batch.num_drafts
+    by_entropy = rejected & (uncertain.gather(1, at.clamp(max=max(gamma - 1, 0))).squeeze(1) if gamma else rejected)
+    draft_at = drafts.gather(1, at.clamp(max=max(gamma - 1, 0))).squeeze(1) if gamma else accepted
+
+    # the distribution the last token is drawn from, per round: [R, V]
+    target_at = batch.target_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # raw logits
+    masked = target_at.scatter(1, draft_at[:, None], -torch.inf)
+    greedy_token = torch.where(by_entropy, torch.argmax(masked, dim=-1), target_best.gather(1, at).squeeze(1))
+    token = greedy_token
+    if p is not None and q is not None:
+        p_at = p.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
+        if gamma:
+            q_at = q.gather(1, at.clamp(max=gamma - 1)[..., None].expand(-1, -1, vocab)).squeeze(1)
+            residual = torch.clamp(p_at - q_at, min=0.0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)
+            without = p_at.scatter(1, draft_at[:, None], 0.0)
+            without = torch.where(without.sum(-1, keepdim=True) > 0, without, p_at)
+            plain = rejected & ~by_entropy & ~batch.oracle
+            dist = torch.where(plain[:, None], residual, torch.where(by_entropy[:, None], without, p_at))
+        else:
+            dist = p_at
+        u = uniforms(batch.keys, batch.positions + accepted, LANE_RESIDUAL, 1)
+        drawn = inverse_cdf(dist, u)[:, 0]
+        token = torch.where(greedy[:, 0], greedy_token, drawn)
+    # an oracle round whose drafts all stand ends with them: whether the models agree next is not known yet
+    no_token = batch.oracle & ~rejected & (batch.num_drafts > 0)
+    token = torch.where(no_token, -1, token)
+    return VerifyOutput(
+        accepted=accepted,
+        token=token,
+        entropy_rejection=by_entropy.to(torch.int64),
+        target_entropy=target_entropy,
+    )
+
+
+def _probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int
+) -> torch.Tensor:
+    """Sampling distributions of ``logits`` ``[R, P, V]`` with per-round settings ``[R]`` -> ``[R, P, V]``."""
+    rounds, width, vocab = logits.shape
+    flat = filtered_probs(
+        logits.reshape(rounds * width, vocab),
+        temperature.repeat_interleave(width),
+        top_k.repeat_interleave(width),
+        top_p.repeat_interleave(width),
+        max_top_k=max_top_k,
+    )
+    return flat.view(rounds, width, vocab)

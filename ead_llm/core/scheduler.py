@@ -1,0 +1,303 @@
+"""The scheduler: which sequences run, their KV blocks, and what their decoders' actions do.
+
+It owns the waiting queue and the running set (admission first come first served, within
+``max_batch`` and the KV budget), asks every running sequence's decoder what it needs from the
+step, gives each row the KV blocks its tokens need (preempting the most recently admitted
+sequences when the budget is spent: they give their blocks back and wait to be fed again), applies
+the decoders' actions (emit, draft, roll back, fork), and after the step retires what finished
+and hands the step's events to their callers. It never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
+from ead_llm.core.output import OutputProcessor
+from ead_llm.core.request import SamplingParams
+from ead_llm.core.sampler import fork_key
+from ead_llm.core.types import Action, Draft, Emit, FinishReason, Fork, ForwardWork, Role, Rollback, TokenEvent
+from ead_llm.policies.base import Decoder, Read
+
+DONE = object()
+"""Put on a call's queue after its last event, once every path of every request has finished."""
+WAKE = object()
+"""Put on a call's queue to wake a reader blocked on it (the call was cancelled)."""
+
+
+@dataclass(eq=False)
+class Call:
+    """One caller's requests: the scheduler puts their events (or a failure) on ``queue``."""
+
+    queue: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    cancelled: bool = False
+    failed: bool = False
+    open: int = 0
+    """Paths not yet finished (requests, plus the paths branched off them)."""
+    paths: dict[int, int] = field(default_factory=dict)
+    """Paths started per request index."""
+    shared: dict[str, Any] = field(default_factory=dict)
+    """State the call's decoders share (EAGER's budget)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One path being generated: its tokens, its decoder, its caches, what it has not been billed for."""
+
+    call: Call
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    decoder: Decoder
+    key: int
+    """Random key of its stream (see :func:`ead_llm.core.sampler.uniforms`)."""
+    kv: dict[Role, SequenceKV]
+    max_length: int
+    """Most positions it may reach: prompt + max_tokens, within the context."""
+    eos: frozenset[int]
+    output: OutputProcessor | None
+    """Its text, when made on the scheduler thread (stop strings, branching); else the caller makes it."""
+    path: int = 0
+    generated: int = 0
+    pending_work: list[ForwardWork] = field(default_factory=list)
+    """Passes not billed yet: they go with the next emitted token."""
+    finished: bool = False
+    admitted: int = 0
+    """Admission order (the most recent is preempted first)."""
+    branched_from: tuple[int, int] | None = None
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params.max_tokens
+
+    def is_end(self, token: int) -> bool:
+        return token in self.eos and not self.params.ignore_eos
+
+
+class Scheduler:
+    """See the module docstring. Callers' threads touch only ``waiting`` and call flags, under the
+    engine's lock; everything else runs on the scheduler thread."""
+
+    def __init__(self, caches: dict[Role, KVCache], max_batch: int, max_positions: int | None) -> None:
+        self.caches = caches
+        self.max_batch = max_batch
+        self.max_positions = max_positions
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.failed_requests = 0
+        self.preemptions = 0
+        self.peak_running = 0
+        self._admissions = 0
+        self._outbox: list[tuple[Call, Any]] = []
+        self._forks: list[tuple[Sequence, Fork]] = []
+
+    # -- admission (under the engine's lock) ------------------------------------------------------
+
+    def drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.call.cancelled or s.call.failed]:
+            seq.finished = True
+            self._release(seq)
+        self.running = [s for s in self.running if not s.finished]
+        self.waiting = deque(s for s in self.waiting if not (s.call.cancelled or s.call.failed))
+
+    def admit(self) -> None:
+        """Move waiting sequences into the running set, first come first served, while ``max_batch``
+        and the KV budget allow (a watermark of free blocks is kept for the running ones to grow)."""
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            for cache in self.caches.values():
+                watermark = math.ceil(0.01 * cache.pool.max_blocks) if cache.pool.max_blocks else 0
+                if not cache.can_hold(cache.blocks_for(len(seq.tokens) + 1) + watermark):
+                    return
+            self.waiting.popleft()
+            self._admissions += 1
+            seq.admitted = self._admissions
+            self.running.append(seq)
+        self.peak_running = max(self.peak_running, len(self.running))
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV positions held in blocks, both models together."""
+        return sum(cache.tokens_held for cache in self.caches.values())
+
+    # -- one step (the scheduler thread) ----------------------------------------------------------
+
+    def schedule(self) -> list[tuple[Role, list[tuple[Sequence, Read]]]]:
+        """What runs this step: per model (large first), its rows and what each reads."""
+        reads: list[tuple[Sequence, Read]] = []
+        for seq in list(self.running):
+            try:
+                reads.append((seq, seq.decoder.read(seq)))
+            except Exception as exc:  # a broken policy fails its own call only
+                self.fail(seq, exc)
+        passes: dict[Role, list[tuple[Sequence, Read]]] = {}
+        for seq, read in reads:
+            if seq.finished or seq not in self.running:
+                continue
+            if self._reserve(seq, read.role):
+                passes.setdefault(read.role, []).append((seq, read))
+        for role, rows in passes.items():
+            passes[role] = [(seq, read) for seq, read in rows if seq in self.running]
+        return [(role, passes[role]) for role in (Role.LARGE, Role.SMALL) if passes.get(role)]
+
+    def _reserve(self, seq: Sequence, role: Role) -> bool:
+        """Blocks for ``seq``'s tokens in ``role``'s cache, preempting newer sequences while it lacks
+        them; False when ``seq`` itself had to give way."""
+        cache = self.caches[role]
+        while True:
+            try:
+                cache.reserve(seq.kv[role], len(seq.tokens))
+                return True
+            except OutOfBlocks:
+                victim = max(self.running, key=lambda s: s.admitted)
+                self.preempt(victim)
+                if victim is seq:
+                    return False
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take ``seq``'s caches back; it waits at the head of the queue and is fed again when readmitted."""
+        keep = seq.decoder.on_preempt(seq)
+        del seq.tokens[keep:]
+        self._release(seq)
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def apply(self, seq: Sequence, actions: list[Action]) -> None:
+        """Carry out a decoder's actions on ``seq`` (those after its last token are dropped)."""
+        forks = []
+        for action in actions:
+            if seq.finished:
+                return
+            if isinstance(action, Emit):
+                self._emit(seq, action.token, action.role, action.entropy, action.counters)
+            elif isinstance(action, Draft):
+                seq.tokens.append(action.token)
+            elif isinstance(action, Rollback):
+                del seq.tokens[action.keep :]
+                for role, seen in action.seen:
+                    self.caches[role].truncate(seq.kv[role], seen)
+            elif isinstance(action, Fork):
+                forks.append((self._fork(seq), action))
+            else:
+                raise TypeError(f"unknown decoder action {action!r}")
+        for child, fork in forks:
+            self._emit(child, fork.token, fork.role, fork.entropy, fork.counters)
+
+    def fail(self, seq: Sequence, exc: BaseException) -> None:
+        """End ``seq`` and hand ``exc`` to its caller (once per call); its blocks are freed at retirement."""
+        seq.finished = True
+        self.failed_requests += 1
+        if not seq.call.failed:
+            seq.call.failed = True
+            self._outbox.append((seq.call, exc))
+
+    def fork_room(self) -> ForkRoom:
+        return ForkRoom(self)
+
+    def finish_step(self) -> list[tuple[Call, Any]]:
+        """Retire what finished or belongs to a failed or cancelled call (its blocks freed), then return
+        the step's deliveries: events, errors, and the end marker of every call whose last path just
+        finished. (So a caller that has its answer finds the engine's load without it.)"""
+        for seq in self.running:
+            if seq.finished or seq.call.failed or seq.call.cancelled:
+                seq.finished = True
+                self._release(seq)
+        self.running = [s for s in self.running if not s.finished]
+        out, self._outbox = self._outbox, []
+        for call in {id(c): c for c, item in out if isinstance(item, TokenEvent)}.values():
+            if call.open == 0 and not call.failed:
+                out.append((call, DONE))
+        if not self.running:
+            for cache in self.caches.values():
+                cache.trim()
+        return out
+
+    # -- helpers ------------------------------------------------------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        for role, kv in seq.kv.items():
+            self.caches[role].free(kv)
+
+    def _emit(
+        self, seq: Sequence, token: int, role: Role, entropy: float, counters: tuple[tuple[str, int], ...]
+    ) -> None:
+        seq.tokens.append(token)
+        seq.generated += 1
+        finish: FinishReason | None = None
+        if seq.is_end(token):
+            finish = FinishReason.STOP
+        elif seq.generated >= seq.params.max_tokens or (
+            self.max_positions is not None and len(seq.tokens) >= self.max_positions
+        ):
+            finish = FinishReason.LENGTH
+        text = ""
+        if seq.output is not None:
+            text = seq.output.push(token, last=finish is not None)
+            if seq.output.stopped:
+                finish = FinishReason.STOP
+        event = TokenEvent(
+            index=seq.index,
+            token_id=token,
+            text=text,
+            role=role,
+            entropy=entropy,
+            work=tuple(seq.pending_work),
+            finish_reason=finish,
+            counters=counters,
+            path=seq.path,
+            prompt_tokens=seq.prompt_len if seq.generated == 1 and seq.path == 0 else 0,
+            branched_from=seq.branched_from
+            if seq.branched_from and seq.generated == seq.branched_from[1] + 1
+            else None,
+        )
+        seq.pending_work = []
+        if finish is not None:
+            seq.finished = True
+            seq.call.open -= 1
+        self._outbox.append((seq.call, event))
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        call = parent.call
+        path = call.paths.get(parent.index, 1)
+        call.paths[parent.index] = path + 1
+        child = Sequence(
+            call=call,
+            index=parent.index,
+            tokens=list(parent.tokens),
+            prompt_len=parent.prompt_len,
+            params=parent.params,
+            decoder=parent.decoder.fork(),
+            key=fork_key(parent.key, len(parent.tokens)),
+            kv={role: self.caches[role].fork(kv) for role, kv in parent.kv.items()},
+            max_length=parent.max_length,
+            eos=parent.eos,
+            output=None if parent.output is None else parent.output.clone(),
+            path=path,
+            generated=parent.generated,
+            admitted=parent.admitted,
+            branched_from=(parent.path, parent.generated),
+        )
+        call.open += 1
+        self.running.append(child)
+        self.peak_running = max(self.peak_running, len(self.running))
+        return child
+
+
+class ForkRoom:
+    """Whether one more path may start now: a place in the batch, and two free KV blocks per model for
+    the copies its first writes make. (The fork itself follows at once, so the next ask counts it.)"""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self._scheduler = scheduler
+
+    def take(self) -> bool:
+        scheduler = self._scheduler
+        return len(scheduler.running) < scheduler.max_batch and all(
+            cache.can_hold(2) for cache in scheduler.caches.values()
+        )
