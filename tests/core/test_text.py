@@ -6,8 +6,7 @@ from hypothesis import strategies as st
 
 from ead_llm.core.output import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
 from ead_llm.testing.tiny import byte_bpe_tokenizer, char_tokenizer
-
-from .tiny_pairs import BPE_CORPUS
+from tests.tiny_pairs import BPE_CORPUS
 
 
 @pytest.fixture(scope="module")

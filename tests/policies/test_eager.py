@@ -9,11 +9,11 @@ import torch
 
 from ead_llm import EAD, EAGER, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
-from ead_llm.core.ops import percentile, top_k_entropy_nats
+from ead_llm.core.ops import top_k_entropy_nats
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.evaluation.task import problems
-
-from .scripted import scripted_pair
+from ead_llm.policies.eager import RunningPercentile
+from tests.scripted import scripted_pair
 
 VOCAB = 78
 N = 10  # tokens per path (EOS ignored)
@@ -46,7 +46,14 @@ def _paths(engine: Engine, requests: list[Request]) -> dict[tuple[int, int], lis
 def test_entropy_and_percentile_math() -> None:
     uniform = torch.zeros(50)
     assert float(top_k_entropy_nats(uniform, 20)) == pytest.approx(math.log(20))
-    assert percentile([], 99) == -math.inf and percentile([0.0, 1.0], 50) == pytest.approx(0.5)
+    running = RunningPercentile()
+    assert running.value(99) == -math.inf
+    gen = torch.Generator().manual_seed(0)
+    values = torch.rand(200, generator=gen, dtype=torch.float64).tolist()
+    for n, value in enumerate(values, start=1):  # kept sorted as values arrive: no re-sort per query
+        running.add(value)
+        for q in (0.0, 50.0, 90.0, 99.0, 100.0):
+            assert running.value(q) == float(torch.quantile(torch.tensor(values[:n], dtype=torch.float64), q / 100))
 
 
 def test_branches_fire_exactly_at_the_unsure_tokens() -> None:

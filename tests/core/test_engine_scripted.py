@@ -11,8 +11,7 @@ from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import FinishReason, Role
 from ead_llm.policies.base import LargeOnly, SmallOnly
 from ead_llm.policies.switching import EAD
-
-from .scripted import peaked, scripted_pair
+from tests.scripted import peaked, scripted_pair
 
 SMALL_TOKEN, LARGE_TOKEN = 10, 20  # '6' and 'g' in the char tokenizer
 

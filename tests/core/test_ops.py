@@ -3,15 +3,7 @@ import math
 import pytest
 import torch
 
-from ead_llm.core.ops import (
-    entropy_bits,
-    forward_flops,
-    parameter_ratio,
-    sample_token,
-    sampling_probs,
-    top_k_filter,
-    top_p_filter,
-)
+from ead_llm.core.ops import apply_temperature, entropy_bits, forward_flops, parameter_ratio, top_p_filter
 
 
 def test_entropy_bits_hand_computed() -> None:
@@ -33,15 +25,6 @@ def test_entropy_is_shift_invariant_and_batched() -> None:
     assert entropy_bits(logits + 100.0)[0].item() == pytest.approx(out[0].item(), abs=1e-5)
 
 
-def test_top_k_keeps_k_largest() -> None:
-    logits = torch.tensor([1.0, 5.0, 3.0, 4.0])
-    out = top_k_filter(logits, 2)
-    assert torch.isinf(out[[0, 2]]).all()
-    assert out[1] == 5.0 and out[3] == 4.0
-    assert torch.equal(top_k_filter(logits, 0), logits)
-    assert torch.equal(top_k_filter(logits, 10), logits)
-
-
 def test_top_p_keeps_smallest_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()
@@ -59,37 +42,23 @@ def test_top_p_keeps_smallest_nucleus() -> None:
     assert kept_perm.tolist() == [False, True, False, True]
 
 
-def test_sampling_probs_temperature() -> None:
-    logits = torch.tensor([0.0, math.log(3.0)])
-    assert sampling_probs(logits, 1.0, 0, 1.0).tolist() == pytest.approx([0.25, 0.75])
-    # temperature 0.5 squares the odds: 1:9
-    assert sampling_probs(logits, 0.5, 0, 1.0).tolist() == pytest.approx([0.1, 0.9])
+def test_temperature_scales_odds_and_survives_tiny_values() -> None:
+    logits = torch.tensor([[0.0, math.log(3.0)]])
+    assert torch.softmax(apply_temperature(logits, 1.0), -1)[0].tolist() == pytest.approx([0.25, 0.75])
+    # temperature 0.5 squares the odds: 1:9; per row as a tensor too
+    assert torch.softmax(apply_temperature(logits, 0.5), -1)[0].tolist() == pytest.approx([0.1, 0.9])
+    per_row = apply_temperature(logits.expand(2, 2), torch.tensor([[1.0], [0.5]]))
+    assert torch.softmax(per_row, -1)[:, 1].tolist() == pytest.approx([0.75, 0.9])
+    tiny = torch.softmax(apply_temperature(logits, 1e-300), -1)
+    assert not tiny.isnan().any() and tiny[0].tolist() == [0.0, 1.0]
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(logits, 0.0)
 
 
-def test_sample_greedy_and_seeded() -> None:
-    logits = torch.tensor([0.1, 2.0, 1.9])
-    assert sample_token(logits, temperature=0.0, top_k=0, top_p=1.0, generator=None) == 1
-
-    def draws(seed: int) -> list[int]:
-        gen = torch.Generator().manual_seed(seed)
-        return [sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=gen) for _ in range(50)]
-
-    assert draws(7) == draws(7)
-    assert draws(7) != draws(8)
-    # top_k=1 is greedy whatever the draw
-    gen = torch.Generator().manual_seed(0)
-    assert {sample_token(logits, temperature=2.0, top_k=1, top_p=1.0, generator=gen) for _ in range(30)} == {1}
-
-
-def test_sampling_frequencies_match_probabilities() -> None:
-    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
-    gen = torch.Generator().manual_seed(0)
-    counts = [0, 0, 0]
-    n = 6000
-    for _ in range(n):
-        counts[sample_token(logits, temperature=1.0, top_k=0, top_p=1.0, generator=gen)] += 1
-    for count, p in zip(counts, [0.2, 0.5, 0.3], strict=True):
-        assert abs(count / n - p) < 0.025
+def test_top_p_takes_a_threshold_per_row() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2, 4)
+    kept = ~torch.isinf(top_p_filter(logits, torch.tensor([[0.7], [0.81]])))
+    assert kept.tolist() == [[True, True, False, False], [True, True, True, False]]
 
 
 def test_parameter_ratio_formula() -> None:

@@ -14,8 +14,7 @@ from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import FinishReason, Role
 from ead_llm.policies.base import LargeOnly, SmallOnly
 from ead_llm.policies.switching import EAD
-
-from .reference import reference_greedy
+from tests.reference import reference_greedy
 
 PROMPTS = ["12+35=", "The fox", "a", "9*9=81\n7*"]
 

@@ -9,28 +9,13 @@ import torch
 
 from ead_llm import EASD, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
-from ead_llm.core.ops import acceptance_probability, residual_probs, top_n_overlap, without_token
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.evaluation.task import problems
 from ead_llm.policies.speculative import SpecState
-
-from .scripted import scripted_pair
+from tests.scripted import scripted_pair
 
 VOCAB = 78  # the scripted pair's char tokenizer
-
-
-def test_rejection_math() -> None:
-    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
-    q = torch.tensor([0.25, 0.5, 0.0, 0.25])
-    assert acceptance_probability(p, q, 0) == 1.0
-    assert acceptance_probability(p, q, 1) == pytest.approx(0.6)
-    assert acceptance_probability(p, q, 3) == 0.0
-    assert torch.allclose(residual_probs(p, q), torch.tensor([0.25, 0.0, 0.2, 0.0]) / 0.45)
-    assert torch.equal(residual_probs(p, p), p)
-    assert torch.allclose(without_token(p, 0), torch.tensor([0.0, 0.6, 0.4, 0.0]))
-    a, b = torch.tensor([5.0, 4, 3, 2, 1]), torch.tensor([1.0, 4, 3, 5, 2])
-    assert top_n_overlap(a, b, 3) == pytest.approx(2 / 3)  # {0,1,2} vs {3,1,2}
 
 
 @pytest.mark.parametrize(
