@@ -9,6 +9,7 @@ model) are thin adapters over this: they turn their framework's input into engin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal, TypeVar
@@ -49,15 +50,26 @@ T = TypeVar("T")
 
 
 async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
-    """Drive a blocking iterator from async code, one item per worker-thread hop (the loop stays free)."""
+    """Drive a blocking iterator from async code, one item per worker-thread hop (the loop stays free).
+
+    When the consumer stops early (or its task is cancelled while an item is being fetched), the
+    iterator is closed, which frees the engine's sequence; a fetch still running in its worker
+    thread is waited for first, since a generator cannot be closed while it runs.
+    """
     done = object()
+    fetch: asyncio.Future[Any] | None = None
     try:
         while True:
-            item = await asyncio.to_thread(next, iterator, done)
+            fetch = asyncio.ensure_future(asyncio.to_thread(next, iterator, done))
+            item = await asyncio.shield(fetch)
+            fetch = None
             if item is done:
                 return
-            yield item  # type: ignore[misc]
+            yield item
     finally:
+        if fetch is not None:
+            with contextlib.suppress(BaseException):
+                await fetch  # the worker's next() must return before the iterator can be closed
         close = getattr(iterator, "close", None)
         if close is not None:
             close()  # frees the engine and the sequence's caches when the consumer stops early
@@ -256,24 +268,35 @@ class PairModel(BaseModel):
         return completions, total
 
     def _stream_events(self, request: Request) -> Iterator[tuple[TokenEvent, Cost | None]]:
-        """One request's events; the last comes with the completion's cost."""
-        from ead_llm.policies.eager import EAGER
+        """One request's events; the last comes with the completion's cost.
 
-        if isinstance(request.policy, EAGER):
-            raise ValueError("EAGER answers by a vote once every path has finished: use invoke/generate, not stream")
+        The request is checked and queued here, before this returns: a bad one raises now, not when
+        the events are first read (a server can still answer it with an error status).
+        """
+        if request.policy.votes:
+            raise ValueError(
+                f"{type(request.policy).__name__} answers by a vote once every path has finished: "
+                "use invoke/generate, not stream"
+            )
         engine = self._engine
         pair = engine.pair
-        ledger = CompletionLedger(pair.small.info, pair.large.info, pricing=self.pricing)
+        ledger = CompletionLedger(
+            pair.small.info, pair.large.info, pricing=self.pricing, counters=request.policy.counters()
+        )
         start = time.perf_counter()
         stream = engine.stream([request], self.timeout)
-        try:
-            for event in stream:
-                ledger.record(event)
-                if event.finish_reason is None:
-                    yield event, None
-                else:
-                    cost = ledger.cost(time.perf_counter() - start)
-                    report(cost)
-                    yield event, cost
-        finally:
-            stream.close()
+
+        def events() -> Iterator[tuple[TokenEvent, Cost | None]]:
+            try:
+                for event in stream:
+                    ledger.record(event)
+                    if event.finish_reason is None:
+                        yield event, None
+                    else:
+                        cost = ledger.cost(time.perf_counter() - start)
+                        report(cost)
+                        yield event, cost
+            finally:
+                stream.close()
+
+        return events()

@@ -34,6 +34,9 @@ class Policy(ABC):
     """Base class of every policy; subclasses are frozen dataclasses."""
 
     name: ClassVar[str]
+    votes: ClassVar[bool] = False
+    """Whether the completion is chosen by a vote over several paths once all have finished (such a
+    policy cannot stream)."""
 
     @abstractmethod
     def start(self) -> Any:
@@ -259,6 +262,11 @@ def check_policy(value: Any, name: str = "policy") -> Policy:
 
 
 def _policy_classes() -> dict[str, type[Policy]]:
+    import ead_llm.policies.controls
+    import ead_llm.policies.eager
+    import ead_llm.policies.speculative
+    import ead_llm.policies.switching  # noqa: F401 (every family registers its policies as subclasses)
+
     found: dict[str, type[Policy]] = {}
     pending = list(Policy.__subclasses__())
     while pending:

@@ -58,6 +58,7 @@ class EAGER(Policy):
     """Entropy-guided branching with a per-call budget and a majority vote over the paths."""
 
     name: ClassVar[str] = "eager"
+    votes: ClassVar[bool] = True
 
     theta: float = 2.0
     """Entropy floor for branching, nats over the top-``top_k`` probabilities (inf: never branch)."""

@@ -16,6 +16,7 @@ EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "ex
 
 
 def _policy(args: argparse.Namespace) -> Policy:
+    """The policy the options name; EAD options left out take EAD's defaults (the threshold: the pair's)."""
     if args.policy == "small":
         return SmallOnly()
     if args.policy == "large":
@@ -24,7 +25,26 @@ def _policy(args: argparse.Namespace) -> Policy:
         return SpeculativeDecoding(gamma=args.gamma)
     if args.policy == "easd":
         return EASD(gamma=args.gamma, entropy_threshold=args.entropy_threshold)
-    return EAD(threshold=args.threshold, window=args.window, min_dwell=args.min_dwell, lookahead=args.lookahead)
+    defaults = EAD()
+    threshold = args.threshold
+    if threshold is None:
+        from ead_llm.embedded import recommended_threshold
+
+        threshold = recommended_threshold() if args.small is None else defaults.threshold
+    return EAD(
+        threshold=threshold,
+        window=defaults.window if args.window is None else args.window,
+        min_dwell=defaults.min_dwell if args.min_dwell is None else args.min_dwell,
+        lookahead=args.lookahead,
+    )
+
+
+def serve_policy(args: argparse.Namespace) -> Policy | None:
+    """``serve``'s policy: None (the LLM's default) when no policy option is given, else what they say."""
+    ead_options = (args.threshold, args.window, args.min_dwell)
+    if args.policy == "ead" and all(v is None for v in ead_options) and not args.lookahead:
+        return None
+    return _policy(args)
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
@@ -124,7 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
     from ead_llm.serving.server import create_app
 
-    policy = None if args.policy == "ead" and args.threshold is None else _policy(args)
+    policy = serve_policy(args)
     llm = EntropyAdaptiveLLM(
         small=args.small,
         large=args.large,
@@ -254,14 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     serve.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="default policy (default: ead)")
     serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
-    serve.add_argument("--window", type=int, default=5)
-    serve.add_argument("--min-dwell", type=int, default=10)
+    serve.add_argument("--window", type=int, default=None, help="EAD rolling window (default 5)")
+    serve.add_argument("--min-dwell", type=int, default=None, help="EAD minimum dwell (default 10)")
     serve.add_argument("--lookahead", action="store_true", help="EAD: the large model writes the uncertain token")
     serve.add_argument("--gamma", type=int, default=4)
     serve.add_argument("--entropy-threshold", type=float, default=2.0)
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
-    serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions reserved at once")
+    serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions held per model (memory bound)")
     serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take")
     serve.add_argument("--model-name", default=None, help="model id clients use (default: ead-llm/<pair>)")
     serve.add_argument("--log-level", default="info")

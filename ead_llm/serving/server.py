@@ -27,6 +27,7 @@ from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 from ead_llm.adapters.prompts import render
 from ead_llm.core.request import Prompt
 from ead_llm.core.request import Request as EngineRequest
+from ead_llm.core.types import TokenEvent
 from ead_llm.policies.base import Policy, policy_from_description
 
 UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "suffix")
@@ -215,11 +216,17 @@ class Server:
         return out
 
     def _stream(self, kind: str, request: EngineRequest, body: _Body) -> Iterator[str]:
-        """Server-sent events: one chunk per token; the last carries finish_reason and usage."""
+        """Server-sent events: one chunk per token; the last carries finish_reason and usage.
+
+        The request is checked and queued before this returns (a bad one raises here, so the client
+        gets an error status, not a stream that breaks off)."""
+        return self._chunks(kind, self.llm._stream_events(request), body)
+
+    def _chunks(self, kind: str, events: Iterator[tuple[TokenEvent, Cost | None]], body: _Body) -> Iterator[str]:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         chat = kind.startswith("chat")
         first = True
-        for event, cost in self.llm._stream_events(request):
+        for event, cost in events:
             finish = None if event.finish_reason is None else event.finish_reason.value
             if chat:
                 delta: dict[str, Any] = {"content": event.text}

@@ -6,13 +6,17 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
-from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly
+from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
 from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
 from ead_llm.evaluation.task import problems
+from ead_llm.policies.speculative import SpecState
 
 POLICIES = [EAD(threshold=0.05), SmallOnly(), LargeOnly(), EAD(threshold=0.2, min_dwell=3)]
 
@@ -165,3 +169,86 @@ def test_close_stops_the_scheduler_and_a_later_call_restarts_it(llama_pair) -> N
     assert thread is not None and not thread.is_alive()
     assert engine.generate([request])[0].token_ids == first
     assert engine._thread is not thread and engine._thread is not None and engine._thread.is_alive()
+
+
+@dataclass(frozen=True)
+class _Broken(LargeOnly):
+    """A policy whose choice raises after a few tokens (a bug in user code)."""
+
+    name: ClassVar[str] = "broken_test_policy"
+
+    def choose(self, state: object) -> Role:
+        raise RuntimeError("broken policy")
+
+
+@dataclass(frozen=True)
+class _BrokenRound(SpeculativeDecoding):
+    name: ClassVar[str] = "broken_round_test_policy"
+
+    def begin_round(self, state: SpecState, budget: int) -> SpecState:
+        raise RuntimeError("broken round")
+
+
+def test_a_policy_that_raises_fails_its_callers_and_the_engine_serves_on(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=8)
+    good = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=20, ignore_eos=True))
+    expected = engine.generate([good])[0].token_ids
+    for broken in (_Broken(), _BrokenRound()):
+        with pytest.raises(RuntimeError, match="broken"):
+            engine.generate([Request("12+35=", broken, SamplingParams(max_tokens=20))], timeout_s=30)
+        # in one batch with good requests: only the broken one's caller fails
+        errors: list[BaseException] = []
+        bad = Request("12+35=", broken, SamplingParams(max_tokens=20))
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            futures = [
+                pool.submit(_catch, errors, engine.generate, [bad]),
+                *(pool.submit(engine.generate, [good]) for _ in range(3)),
+            ]
+            results = [f.result() for f in futures[1:]]
+        assert len(errors) == 1 and [r[0].token_ids for r in results] == [expected] * 3
+        assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    assert engine.generate([good])[0].token_ids == expected
+
+
+def test_close_reports_a_thread_stuck_in_a_pass_and_the_next_call_waits_for_it(
+    llama_pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(llama_pair, max_batch=2)
+    request = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=5, ignore_eos=True))
+    expected = engine.generate([request])[0].token_ids
+    runner = engine.runners[Role.SMALL]
+    original = runner._run
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck(rows):
+        inside.set()
+        release.wait(timeout=30)
+        return original(rows)
+
+    monkeypatch.setattr(runner, "_run", stuck)
+    errors: list[BaseException] = []
+    caller = threading.Thread(target=lambda: _catch(errors, engine.generate, [request]))
+    caller.start()
+    assert inside.wait(timeout=30)
+    old = engine._thread
+    assert engine.close(timeout_s=0.2) is False  # still inside the pass
+    caller.join(timeout=30)
+    assert [str(e) for e in errors] == ["the engine was closed"]  # the caller is not left waiting
+    monkeypatch.undo()
+    release.set()
+    assert engine.generate([request])[0].token_ids == expected  # waited for the old thread, then a new one
+    assert old is not None and not old.is_alive() and engine._thread is not old
+
+
+def _catch(errors: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        errors.append(exc)
+
+
+def test_the_load_is_idle_as_soon_as_a_call_returns(llama_pair) -> None:
+    engine = Engine(llama_pair, max_batch=4)
+    for policy in (SmallOnly(), LargeOnly(), EAD(threshold=0.2, min_dwell=3), SpeculativeDecoding(gamma=3)):
+        engine.generate([Request("12+35=", policy, SamplingParams(max_tokens=9, ignore_eos=True))] * 3)
+        assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}  # no waiting, no polling

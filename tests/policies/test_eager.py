@@ -143,3 +143,46 @@ def test_through_the_llm_on_the_embedded_pair() -> None:
         assert info["cost"]["paths"] == info["paths"] == info["branches"] + 1
     with pytest.raises(ValueError, match="vote"):
         list(llm.stream(prompt, policy=EAGER()))
+
+
+def test_a_winning_branch_carries_the_prefix_it_shares_with_its_parent() -> None:
+    pair, _, _ = _pair({5: {2}})  # one unsure token, at generated index 2
+    engine = Engine(pair)
+    tokenizer = pair.tokenizer
+    seven = tokenizer.convert_tokens_to_ids("7")  # token 11; the sure token 10 is "6"
+    assert seven == 11
+    # only a text containing the branch's token votes, so the branch must win
+    policy = EAGER(theta=1.0, max_paths=2, temperature=0.0, extractor=lambda text: "seven" if "7" in text else None)
+    (done,) = engine.generate([Request([1, 5], policy, SamplingParams(max_tokens=N, ignore_eos=True))])
+    assert done.paths == 2 and done.path == 1 and done.votes == {"seven": 1}
+    assert done.token_ids == (10, 10, 11, *[10] * (N - 3))  # the parent's first two tokens, then the branch
+    assert done.text == "667" + "6" * (N - 3) == tokenizer.decode(list(done.token_ids))
+    assert len(done.roles) == len(done.entropies) == N
+
+
+def test_a_lender_that_needs_its_share_later_finds_the_call_at_its_budget() -> None:
+    # [1, 5] is unsure early and borrows; [1, 6] is unsure only later, after lending its share
+    pair, _, _ = _pair({5: {0, 2, 4}, 6: {8}})
+    engine = Engine(pair)
+    policy = EAGER(theta=1.0, max_paths=2, percentile=0.0, temperature=0.0)  # budget: 2 x 2 paths
+    params = SamplingParams(max_tokens=N, ignore_eos=True)
+    done = engine.generate([Request([1, 5], policy, params), Request([1, 6], policy, params)])
+    assert [c.paths for c in done] == [3, 1]  # [1, 5] borrowed one; [1, 6]'s branch would be a fifth path
+    assert sum(c.cost.extra["paths"] for c in done) == 4 == 2 * policy.max_paths
+
+
+def test_counts_are_reported_when_nothing_branched() -> None:
+    pair, _, _ = _pair({})
+    engine = Engine(pair)
+    (done,) = engine.generate([Request([1, 5], EAGER(theta=1.0), SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert done.paths == 1 and done.cost.extra == {"paths": 1, "branches": 0}
+    lookahead = EAGER(theta=1.0, decoder=EAD(threshold=10.0, window=1, min_dwell=1, lookahead=True))
+    (done,) = engine.generate([Request([1, 5], lookahead, SamplingParams(max_tokens=4, ignore_eos=True))])
+    assert done.cost.to_dict()["branches"] == 0 and done.cost.to_dict()["preempted_tokens"] == 0
+
+
+def test_plain_text_paths_vote_by_default(pair) -> None:
+    engine = Engine(pair)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, seed=3)
+    (done,) = engine.generate([Request("The quick brown", EAGER(theta=0.0, max_paths=3, temperature=0.9), params)])
+    assert done.paths > 1 and sum(done.votes.values()) == done.paths  # every path's text gave an answer

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from ead_llm.serving.cli import main
+from ead_llm import EAD
+from ead_llm.embedded import recommended_threshold
+from ead_llm.serving.cli import build_parser, main, serve_policy
 
 
 def test_help_lists_commands() -> None:
@@ -102,3 +104,16 @@ def test_cli_bench_refuses_bad_settings(capsys: pytest.CaptureFixture[str], tmp_
     assert "budget must be in [0.0, 1.0], got 2.0" in capsys.readouterr().err
     assert main(["bench", "--variants", "5", "--no-progress"]) == 2
     assert "WINDOW:MIN_DWELL" in capsys.readouterr().err
+
+
+def test_serve_keeps_ead_options_given_without_a_threshold() -> None:
+    def policy(*options: str):
+        return serve_policy(build_parser().parse_args(["serve", *options]))
+
+    assert policy() is None  # the LLM's own default
+    pair_default = recommended_threshold()
+    assert policy("--lookahead") == EAD(threshold=pair_default, lookahead=True)
+    assert policy("--window", "2", "--min-dwell", "3") == EAD(threshold=pair_default, window=2, min_dwell=3)
+    assert policy("--threshold", "0.3") == EAD(threshold=0.3)
+    folder = policy("--small", "s", "--large", "l", "--lookahead")
+    assert folder == EAD(threshold=EAD().threshold, lookahead=True)  # another pair: EAD's own default

@@ -150,3 +150,16 @@ def test_the_serve_command_starts_a_server(tmp_path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_a_bad_streamed_request_gets_an_error_status_before_any_byte(url: str, llm: EntropyAdaptiveLLM) -> None:
+    too_long = "1" * (llm.shared_engine.max_positions or 0 + 10)
+    with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": too_long, "stream": True}) as response:
+        assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+        assert "prompt has" in json.loads(response.read())["error"]["message"]
+    voting = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": PROMPT}], "stream": True, "policy": {"policy": "eager"}},
+    )
+    assert voting.status_code == 400 and "vote" in voting.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").json()["running"] == 0
