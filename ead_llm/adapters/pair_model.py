@@ -116,8 +116,10 @@ class PairModel(BaseModel):
     """Most sequences the shared engine decodes at once (None: its current setting, 64 by default).
     Objects sharing a pair share the engine and so its limits."""
     kv_budget_tokens: int | None = None
-    """Most KV positions (prompt plus max_tokens per sequence) the shared engine reserves at once;
-    requests beyond it wait. None: its current setting (unlimited by default)."""
+    """Most KV positions each model's paged cache holds at once (its memory bound, in blocks of 16):
+    requests beyond it wait, and the newest running ones give their blocks back if the others need
+    them. A request that could not finish alone (prompt + max_tokens over the budget) is refused.
+    None: the shared engine's current setting (unlimited by default)."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
     device: str | None = None

@@ -102,6 +102,8 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * layers
         self.peak_blocks = 0
         """Most blocks held at once since the cache was made (what the memory had to cover)."""
+        self.peak_nbytes = 0
+        """Most bytes of storage allocated at once since the cache was made."""
 
     # -- bookkeeping (the scheduler) ---------------------------------------------------------------
 
@@ -170,8 +172,11 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]``."""
         capacity = self.pool.num_blocks * self.block_size
-        self.keys[layer] = _fit(self.keys[layer], capacity, keys)
-        self.values[layer] = _fit(self.values[layer], capacity, values)
+        stored = self.keys[layer]
+        if stored is None or stored.shape[0] < capacity:
+            self.keys[layer] = _fit(stored, capacity, keys)
+            self.values[layer] = _fit(self.values[layer], capacity, values)
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
         self.keys[layer][slots] = keys  # type: ignore[index]
         self.values[layer][slots] = values  # type: ignore[index]
 
