@@ -194,7 +194,7 @@ def test_server_answers_4xx_never_500(llm: EntropyAdaptiveLLM, body: dict[str, A
 
 def test_after_the_fuzzing_the_engine_is_idle_and_unchanged(llm: EntropyAdaptiveLLM) -> None:
     engine = llm.shared_engine
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 10  # streams closed early are dropped at the scheduler's next look
     while engine.load["running"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}

@@ -190,6 +190,12 @@ class KVCache:
         v = values.index_select(0, flat).view(batch, length, *values.shape[1:]).transpose(1, 2)
         return k, v
 
+    def view(self, layer: int, span: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[1, H, L, D]`` of one layer at the consecutive flat slots ``span`` (no copy)."""
+        keys, values = self.keys[layer], self.values[layer]
+        assert keys is not None and values is not None, "view before any write"
+        return keys[span].transpose(0, 1)[None], values[span].transpose(0, 1)[None]
+
     def _copy_block(self, source: int, target: int) -> None:
         size = self.block_size
         for tensors in (self.keys, self.values):

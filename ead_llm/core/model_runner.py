@@ -10,6 +10,10 @@ each row over its own positions, decode rows in one ``[B, H, 1, L]`` call and mu
 second. The model's head runs only at the positions someone reads (``logits_to_keep``), so a
 2,000-token prefill returns one row of logits, not 2,000.
 
+Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
+(:mod:`ead_llm.core.fused_llama`) that calls the same paged attention; other models through
+their transformers modules.
+
 A pass that raises (out of memory, or a fault one row triggers) is bisected: each half is run
 again, down to single rows; a row that fails alone is reported with its error and the others
 succeed. Rows are safe to re-run: keys are written at true positions and a cache's length moves
@@ -18,7 +22,6 @@ only when its pass succeeds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ead_llm.core.fused_llama import FusedLlama
+from ead_llm.core.fused_llama import supports as supports_fused
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadedModel
 from ead_llm.core.types import ForwardWork, Role
@@ -41,16 +46,19 @@ engine's packed passes, transformers' SDPA for any other call (``model.generate`
 class AttentionGroup:
     """Rows of a pass attended together: decode rows (one new token each), or multi-token rows."""
 
-    query_index: torch.Tensor
-    """[B, W] packed index of each row's w-th new token (past a row's end: its last token)."""
-    key_slots: torch.Tensor
+    query_index: torch.Tensor | None
+    """[B, W] packed index of each row's w-th new token (past a row's end: its last token); None when the
+    group is one row holding the whole pass, in order."""
+    key_slots: torch.Tensor | None
     """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position)."""
+    span: slice | None
+    """Instead of ``key_slots``, for one row whose blocks lie in order: its positions' flat slots."""
     mask: torch.Tensor | None
-    """[B, 1, W, L] bool, True where a query may attend; None when every row sees all L positions."""
+    """[B, 1, W, L] bool, True where a query may attend; None when every query sees all L positions."""
     real: tuple[torch.Tensor, torch.Tensor] | None
     """For W > 1: (row, column) of every real query, in packed order; None for decode rows."""
-    packed: torch.Tensor
-    """[R] packed indices of the real queries (same order as ``real``)."""
+    packed: torch.Tensor | None
+    """[R] packed indices of the real queries (same order as ``real``); None with ``query_index``."""
 
 
 @dataclass(frozen=True)
@@ -65,8 +73,8 @@ class PackedBatch:
     """New tokens per row, in packed order."""
     starts: tuple[int, ...]
     """Position of each row's first new token."""
-    tables: torch.Tensor
-    """[B, M] block tables, in packed order."""
+    blocks: tuple[list[int], ...]
+    """Each row's block table, in packed order."""
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a layer's new keys/values ``[1, H, T, D]``."""
@@ -75,10 +83,15 @@ class PackedBatch:
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
         layer = int(module.layer_idx)  # type: ignore[arg-type]
+        if len(self.groups) == 1 and self.groups[0].query_index is None:  # one row: no gathers at all
+            group = self.groups[0]
+            keys, values = self._keys(layer, group)
+            return sdpa_attention_forward(module, query, keys, values, group.mask, scaling=scaling)[0]
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         for group in self.groups:
-            keys, values = self.cache.gather(layer, group.key_slots)  # [B, Hkv, L, D]
+            keys, values = self._keys(layer, group)  # [B, Hkv, L, D]
+            assert group.query_index is not None and group.packed is not None
             rows_q = q[group.query_index].transpose(1, 2)  # [B, H, W, D]
             attended, _ = sdpa_attention_forward(module, rows_q, keys, values, group.mask, scaling=scaling)
             # attended: [B, W, H, D]
@@ -88,14 +101,21 @@ class PackedBatch:
                 out[group.packed] = attended[group.real]
         return out.unsqueeze(0)
 
+    def _keys(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        if group.span is not None:
+            return self.cache.view(layer, group.span)
+        assert group.key_slots is not None
+        return self.cache.gather(layer, group.key_slots)
+
     def histories(self, layer: int) -> list[torch.Tensor]:
         """Each row's stored keys ``[L_r, H, D]`` (positions 0..end), in packed order; for test models."""
         keys = self.cache.keys[layer]
         assert keys is not None
+        size = self.cache.block_size
         out = []
-        for table, start, count in zip(self.tables, self.starts, self.counts, strict=True):
-            positions = torch.arange(start + count, device=table.device)
-            out.append(keys[self.cache.slots(table[None], positions[None])[0]])
+        for blocks, start, count in zip(self.blocks, self.starts, self.counts, strict=True):
+            slots = [blocks[p // size] * size + p % size for p in range(start + count)]
+            out.append(keys[torch.tensor(slots, dtype=torch.long, device=keys.device)])
         return out
 
 
@@ -183,7 +203,12 @@ def check_full_attention(source: str, config: Any) -> None:
 class ModelRunner:
     """Runs one model of the pair over the rows of a pass (see the module docstring)."""
 
-    def __init__(self, loaded: LoadedModel, device: torch.device, vocab_size: int, cache: KVCache) -> None:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, vocab_size: int, cache: KVCache, *, fused: bool = True
+    ) -> None:
+        """``fused``: run Llama-family models through :mod:`ead_llm.core.fused_llama` (their q/k/v and
+        gate/up weights become views of fused tensors); otherwise, and for other models, through
+        transformers' modules with the paged attention."""
         self.role: Role = loaded.role
         self.model = loaded.model
         self.device = device
@@ -191,7 +216,8 @@ class ModelRunner:
         self.cache = cache
         self.retried_passes = 0
         check_full_attention(loaded.info.source, self.model.config)
-        if not getattr(self.model, "handles_ead_batch", False):
+        self._fused = FusedLlama(self.model) if fused and supports_fused(self.model) else None
+        if self._fused is None and not getattr(self.model, "handles_ead_batch", False):
             if not getattr(self.model, "_supports_attention_backend", False):
                 raise ValueError(
                     f"{loaded.info.source}: {type(self.model).__name__} does not take transformers' attention "
@@ -248,6 +274,8 @@ class ModelRunner:
     def _run(self, rows: Sequence[PassRow]) -> torch.Tensor:
         """One packed pass; logits ``[N, V]`` (float32) of the read positions, rows in ``rows`` order."""
         batch, ids, positions, keep = self._pack(rows)
+        if self._fused is not None:
+            return self._fused(ids, positions, keep, batch)[:, : self.vocab_size].float()
         out = self.model(
             input_ids=ids[None],
             position_ids=positions[None],
@@ -262,66 +290,90 @@ class ModelRunner:
         """The packed batch: decode rows first, then multi-token rows; the inputs in that order, and the
         packed indices of the read positions in ``rows`` order."""
         news = [len(row.tokens) - row.kv.length for row in rows]
-        if any(n <= 0 for n in news):
-            raise RuntimeError("the runner was asked for logits with no new token to feed")
         for row, new in zip(rows, news, strict=True):
+            if new <= 0:
+                raise RuntimeError("the runner was asked for logits with no new token to feed")
             if not 1 <= row.read <= new:
                 raise RuntimeError(f"a row reads {row.read} positions but feeds {new}")
         order = sorted(range(len(rows)), key=lambda i: news[i] > 1)  # decode rows first (stable)
-        device, size = self.device, self.cache.block_size
-        counts = [news[i] for i in order]
-        starts = [rows[i].kv.length for i in order]
+        size = self.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
         offsets = [0]
-        for count in counts:
-            offsets.append(offsets[-1] + count)
-        flat_ids: list[int] = []
         for i in order:
-            flat_ids.extend(rows[i].tokens[rows[i].kv.length :])
-        ids = torch.tensor(flat_ids, dtype=torch.long, device=device)  # [T]
-        width_blocks = max(math.ceil((s + c) / size) for s, c in zip(starts, counts, strict=True))
-        tables = torch.tensor(
-            [rows[i].kv.blocks[:width_blocks] + [0] * (width_blocks - len(rows[i].kv.blocks)) for i in order],
-            dtype=torch.long,
-            device=device,
-        )  # [B, M]
-        row_of = torch.repeat_interleave(
-            torch.arange(len(order), device=device), torch.tensor(counts, device=device)
-        )  # [T]
-        first = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
-        start = torch.tensor(starts, dtype=torch.long, device=device)
-        positions = start[row_of] + torch.arange(len(flat_ids), device=device) - first[row_of]  # [T]
-        write_slots = self.cache.slots(tables[row_of], positions[:, None])[:, 0]
-        decode = sum(1 for c in counts if c == 1)
+            row = rows[i]
+            start, blocks = row.kv.length, row.kv.blocks
+            ids.extend(row.tokens[start:])
+            span = range(start, len(row.tokens))
+            positions.extend(span)
+            slots.extend(blocks[p // size] * size + p % size for p in span)
+            offsets.append(len(ids))
+        inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
+        ordered = [rows[i] for i in order]
+        decode = sum(1 for i in order if news[i] == 1)
         groups = []
         if decode:
-            groups.append(self._group(tables[:decode], starts[:decode], counts[:decode], offsets[:decode]))
+            groups.append(self._group(ordered[:decode], offsets[: decode + 1], whole=decode == len(order) == 1))
         if decode < len(order):
-            groups.append(self._group(tables[decode:], starts[decode:], counts[decode:], offsets[decode:-1]))
-        batch = PackedBatch(self.cache, write_slots, tuple(groups), tuple(counts), tuple(starts), tables)
+            groups.append(self._group(ordered[decode:], offsets[decode:], whole=len(order) == 1))
+        batch = PackedBatch(
+            cache=self.cache,
+            write_slots=inputs[2],
+            groups=tuple(groups),
+            counts=tuple(news[i] for i in order),
+            starts=tuple(rows[i].kv.length for i in order),
+            blocks=tuple(rows[i].kv.blocks for i in order),
+        )
         where = {i: b for b, i in enumerate(order)}
         keep: list[int] = []
         for i, row in enumerate(rows):
             end = offsets[where[i] + 1]
             keep.extend(range(end - row.read, end))
-        return batch, ids, positions, torch.tensor(keep, dtype=torch.long, device=device)
+        return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device)
 
-    def _group(self, tables: torch.Tensor, starts: list[int], counts: list[int], offsets: list[int]) -> AttentionGroup:
-        device = self.device
-        width, ends = max(counts), [s + c for s, c in zip(starts, counts, strict=True)]
-        length = max(ends)
-        count = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
-        end = torch.tensor(ends, dtype=torch.long, device=device)
-        offset = torch.tensor(offsets, dtype=torch.long, device=device)
-        cols = torch.arange(width, device=device)
-        query_index = offset[:, None] + torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
-        key_pos = torch.minimum(torch.arange(length, device=device)[None, :], end[:, None] - 1)  # [B, L]
-        key_slots = self.cache.slots(tables, key_pos)
+    def _group(self, rows: list[PassRow], offsets: list[int], *, whole: bool) -> AttentionGroup:
+        """The attention of ``rows`` (whose packed tokens start at ``offsets``); ``whole``: they are the
+        only row of the pass."""
+        device, size = self.device, self.cache.block_size
+        counts = [offsets[b + 1] - offsets[b] for b in range(len(rows))]
+        starts = [row.kv.length for row in rows]
+        ends = [s + c for s, c in zip(starts, counts, strict=True)]
+        width, length = max(counts), max(ends)
+        span = key_slots = None
+        first = rows[0].kv.blocks[0] if len(rows) == 1 else -1
+        used = -(-length // size)
+        if len(rows) == 1 and rows[0].kv.blocks[:used] == list(range(first, first + used)):
+            span = slice(first * size, first * size + length)  # one row in consecutive blocks: a view
+        else:
+            tables = torch.tensor(
+                [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows],
+                dtype=torch.long,
+                device=device,
+            )  # [B, M]
+            end = torch.tensor(ends, dtype=torch.long, device=device)
+            positions = torch.arange(length, device=device)
+            key_slots = self.cache.slots(tables, torch.minimum(positions[None, :], end[:, None] - 1))  # [B, L]
         if width == 1:
             mask = None
             if min(ends) < length:  # some rows are shorter: hide the positions past their end
+                end = torch.tensor(ends, dtype=torch.long, device=device)
                 mask = (torch.arange(length, device=device)[None, :] < end[:, None])[:, None, None, :]
-            return AttentionGroup(query_index, key_slots, mask, None, query_index[:, 0])
-        query_pos = end[:, None] - count[:, None] + torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
-        mask = torch.arange(length, device=device)[None, None, :] <= query_pos[:, :, None]  # [B, W, L]
-        rows, columns = torch.nonzero(cols[None, :] < count[:, None], as_tuple=True)
-        return AttentionGroup(query_index, key_slots, mask[:, None], (rows, columns), query_index[rows, columns])
+            if whole:
+                return AttentionGroup(None, key_slots, span, mask, None, None)
+            index = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
+            return AttentionGroup(index[:, None], key_slots, span, mask, None, index)
+        count = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
+        cols = torch.arange(width, device=device)
+        last = torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
+        query_pos = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + last  # [B, W]
+        keys = torch.arange(length, device=device)
+        mask = (keys[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
+        if whole:
+            return AttentionGroup(None, key_slots, span, mask, None, None)
+        offset = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
+        query_index = offset[:, None] + last  # [B, W]
+        real_rows, real_cols = torch.nonzero(cols[None, :] < count[:, None], as_tuple=True)
+        return AttentionGroup(
+            query_index, key_slots, span, mask, (real_rows, real_cols), query_index[real_rows, real_cols]
+        )

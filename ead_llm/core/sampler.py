@@ -139,9 +139,11 @@ class SamplingMetadata:
     def build(
         rows: Sequence[tuple[float, int, float, int, int]], device: torch.device | str = "cpu"
     ) -> SamplingMetadata:
-        """From ``(temperature, top_k, top_p, key, position)`` per row."""
+        """From ``(temperature, top_k, top_p, key, position)`` per row (an all-greedy pass needs no tensors)."""
         temperature, top_k, top_p, keys, positions = zip(*rows, strict=True) if rows else ((), (), (), (), ())
         sampled = [t > 0 for t in temperature]
+        if not any(sampled):
+            return GREEDY
         return SamplingMetadata(
             temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
@@ -153,6 +155,13 @@ class SamplingMetadata:
             any_full=any(k == 0 for k, s in zip(top_k, sampled, strict=True) if s),
             any_top_p=any(p < 1.0 for p, s in zip(top_p, sampled, strict=True) if s),
         )
+
+
+_NONE = torch.empty(0)
+GREEDY = SamplingMetadata(
+    _NONE, _NONE, _NONE, _NONE, _NONE, all_greedy=True, max_top_k=0, any_full=False, any_top_p=False
+)
+"""The settings of a pass where every row is greedy."""
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,7 @@ class Scheduler:
         """Retire what finished or belongs to a failed or cancelled call (its blocks freed), then return
         the step's deliveries: events, errors, and the end marker of every call whose last path just
         finished. (So a caller that has its answer finds the engine's load without it.)"""
+        self.waiting = deque(s for s in self.waiting if not (s.call.cancelled or s.call.failed))
         for seq in self.running:
             if seq.finished or seq.call.failed or seq.call.cancelled:
                 seq.finished = True

@@ -63,21 +63,8 @@ def test_max_batch_bounds_the_running_set(llama_pair) -> None:
     requests = [
         Request("12+35=", SmallOnly(), SamplingParams(max_tokens=30, ignore_eos=True, seed=i)) for i in range(5)
     ]
-    seen: list[int] = []
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            seen.append(engine.load["running"])
-            time.sleep(0.0005)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    with ThreadPoolExecutor(max_workers=5) as pool:
-        outputs = list(pool.map(lambda r: engine.generate([r])[0], requests))
-    done.set()
-    watcher.join()
-    assert max(seen) == 2 and all(len(o.token_ids) == 30 for o in outputs)
+    outputs = engine.generate(requests)  # five at once, in one call
+    assert engine.scheduler.peak_running == 2 and all(len(o.token_ids) == 30 for o in outputs)
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
 
 
@@ -141,22 +128,27 @@ def test_a_failing_forward_fails_only_its_callers(llama_pair, monkeypatch: pytes
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
 
 
-def test_a_timeout_counts_the_wait_and_frees_the_queue(llama_pair) -> None:
+def test_a_timeout_counts_the_wait_and_frees_the_queue(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine(llama_pair, max_batch=1)
-    long = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=400, ignore_eos=True))
-    runner = threading.Thread(target=engine.generate, args=([long],))
-    runner.start()
-    while engine.load["running"] == 0:
-        time.sleep(0.001)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"0\.2 s"):
+    runner = engine.runners[Role.SMALL]
+    original = runner._run
+    inside, release = threading.Event(), threading.Event()
+
+    def held(rows):  # the running request is held inside a pass until the waiting call has timed out
+        inside.set()
+        release.wait(timeout=30)
+        return original(rows)
+
+    monkeypatch.setattr(runner, "_run", held)
+    long = Request("12+35=", SmallOnly(), SamplingParams(max_tokens=20, ignore_eos=True))
+    caller = threading.Thread(target=engine.generate, args=([long],))
+    caller.start()
+    assert inside.wait(timeout=30)
+    with pytest.raises(TimeoutError, match=r"0\.2 s"):  # it waited in the queue, and that counts
         engine.generate([Request("1", SmallOnly(), SamplingParams(max_tokens=5))], timeout_s=0.2)
-    assert time.monotonic() - started < 2.0  # it did not wait for the long request to finish
-    runner.join()
-    for _ in range(200):
-        if engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}:
-            break
-        time.sleep(0.01)
+    assert engine.load["waiting"] in (0, 1)  # dropped from the queue at the scheduler's next look
+    release.set()
+    caller.join(timeout=30)
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
 
 
