@@ -7,29 +7,33 @@ import math
 import torch
 
 LOG2E = 1.0 / math.log(2.0)
+TINY = 1e-30
+"""The smallest temperature divided by (a smaller one is as greedy and would overflow float32)."""
 
 
 def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits of ``softmax(logits)`` over the last dimension.
 
     ``logits``: [..., V] raw logits (before temperature); returns [...] float32.
-    ``-inf`` logits (masked tokens) contribute nothing.
+    ``-inf`` logits (masked tokens) contribute nothing (their ``0 * -inf`` terms are skipped).
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
-    p = logp.exp()
-    plogp = torch.where(p > 0, p * logp, torch.zeros_like(p))
-    return -(plogp.sum(dim=-1)) * LOG2E
+    return -(logp.exp() * logp).nansum(dim=-1) * LOG2E
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """Scale ``logits`` [..., V] by ``1 / temperature`` (> 0; a float, or a tensor broadcasting against the
     logits such as [B, 1]), after shifting each row's maximum to 0: the same distribution, but a tiny
     temperature cannot overflow to inf (and NaN)."""
-    if isinstance(temperature, (int, float)) and temperature <= 0:
-        raise ValueError(f"temperature must be > 0 here, got {temperature}")
+    if isinstance(temperature, (int, float)):
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 here, got {temperature}")
+        temperature = max(float(temperature), TINY)
+    else:
+        temperature = torch.clamp(temperature, min=TINY)
     shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)
-    # a temperature below float32's range divides by 0: the maxima stay 0, the rest go to -inf
-    return torch.where(shifted == 0, torch.zeros_like(shifted), shifted / temperature)
+    # a temperature below float32's range would divide by 0; at TINY the maxima stay 0, the rest -inf
+    return shifted / temperature
 
 
 def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:

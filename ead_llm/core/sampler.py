@@ -24,8 +24,11 @@ import torch
 
 from ead_llm.core.ops import apply_temperature, entropy_bits, top_p_filter
 
-DRAWS = 4
-"""Candidate draws per row for top-p (a row misses with probability (1 - nucleus mass) ** DRAWS)."""
+DRAWS = 2
+"""Candidate draws per row for top-p (a row misses with probability (1 - nucleus mass) ** DRAWS, and is
+then redrawn exactly; each further candidate costs a pass over the vocabulary)."""
+CHUNK = 1024
+"""Inverse-CDF draws over a whole vocabulary find the chunk of this many tokens first, then the token."""
 LANE_SAMPLE, LANE_ACCEPT, LANE_RESIDUAL, LANE_RESAMPLE = 0, 1, 2, 3
 """Independent uniform streams per position: sampling, speculative acceptance, the token drawn after a
 verification, and the exact redraw of a missed row."""
@@ -81,22 +84,55 @@ def fork_key(key: int, position: int) -> int:
     return _mix(key ^ _int64(position * 0x2545F4914F6CDD1D))
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Indices drawn from the rows of ``probs`` ``[B, V]`` (unnormalised, >= 0) by ``u`` ``[B, D]`` -> ``[B, D]``."""
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)  # [B, V]
-    target = u * cdf[:, -1:]
-    index = torch.searchsorted(cdf, target, right=True)
-    return index.clamp_(max=probs.shape[-1] - 1)
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Indices drawn from the rows of ``weights`` ``[B, V]`` (unnormalised, >= 0) by ``u`` ``[B, D]`` -> ``[B, D]``.
+
+    Exact in float64 without a cumulative sum of the whole row: chunk sums locate each draw's chunk
+    of :data:`CHUNK` tokens, then a cumulative sum of that chunk alone finds the token. A draw never
+    lands on a zero weight.
+    """
+    rows, vocab = weights.shape
+    if vocab <= CHUNK:
+        return _draw_in(weights.to(torch.float64), u * weights.sum(-1, dtype=torch.float64)[:, None])
+    full = vocab // CHUNK
+    sums = weights[:, : full * CHUNK].reshape(rows, full, CHUNK).sum(-1, dtype=torch.float64)  # [B, C]
+    if full * CHUNK < vocab:
+        sums = torch.cat([sums, weights[:, full * CHUNK :].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+    before = torch.cumsum(sums, dim=-1) - sums  # [B, C] mass of the chunks before each
+    target = u * (before[:, -1:] + sums[:, -1:])  # [B, D]
+    chunk = _draw_in(sums, target)  # [B, D]
+    offsets = torch.arange(CHUNK, device=weights.device)
+    index = (chunk * CHUNK)[..., None] + offsets  # [B, D, CHUNK]
+    inside = index < vocab
+    values = weights.gather(1, index.clamp(max=vocab - 1).reshape(rows, -1)).reshape(index.shape)
+    values = torch.where(inside, values.to(torch.float64), 0.0)
+    local = target - before.gather(1, chunk)  # [B, D]
+    return chunk * CHUNK + _draw_in(values.reshape(-1, CHUNK), local.reshape(-1, 1)).reshape(local.shape)
 
 
-def in_nucleus(probs: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Whether each of ``tokens`` ``[B, D]`` lies in its row's top-p nucleus of ``probs`` ``[B, V]``: the mass
-    of the strictly more likely tokens is below ``top_p`` ``[B]`` (so the most likely token always is)."""
-    chosen = probs.gather(1, tokens)  # [B, D]
+def _draw_in(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` ``[R, N]`` (float64, >= 0): the index whose cumulative weight first exceeds each
+    ``target`` ``[R, D]``, clamped to the last positive weight (rounding at the very end of a row)."""
+    cdf = torch.cumsum(weights, dim=-1)
+    index = torch.searchsorted(cdf, target.contiguous(), right=True)
+    last = (weights > 0).to(torch.int64).cumsum(-1).argmax(-1, keepdim=True)  # the last positive weight
+    return torch.minimum(index, last)
+
+
+def in_nucleus(weights: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Whether each of ``tokens`` ``[B, D]`` lies in its row's top-p nucleus of ``weights`` ``[B, V]``
+    (unnormalised): the mass of the strictly more likely tokens is below ``top_p`` ``[B]`` of the total
+    (so the most likely token always is). One pass over the vocabulary per candidate."""
+    chosen = weights.gather(1, tokens)  # [B, D]
+    total = weights.sum(-1, dtype=torch.float64)
     before = torch.stack(
-        [torch.where(probs > chosen[:, j : j + 1], probs, 0.0).sum(-1) for j in range(tokens.shape[1])], dim=1
+        [
+            torch.where(weights > chosen[:, j : j + 1], weights, 0.0).sum(-1, dtype=torch.float64)
+            for j in range(tokens.shape[1])
+        ],
+        dim=1,
     )  # [B, D]
-    return before < top_p[:, None]
+    return before < (top_p.to(torch.float64) * total)[:, None]
 
 
 def filtered_probs(
@@ -188,19 +224,27 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, 
     scaled = apply_temperature(logits, temperature[:, None])  # [B, V]
     u = uniforms(meta.keys, meta.positions, LANE_SAMPLE, DRAWS)  # [B, D]
     candidates = torch.zeros_like(u, dtype=torch.int64)
-    if meta.max_top_k:  # rows with top-k draw among their k most likely tokens
+    inside = torch.ones_like(u, dtype=torch.bool)
+    if meta.max_top_k:  # rows with top-k draw among their k most likely tokens, and judge top-p there
         k = min(vocab, meta.max_top_k)
         values, index = torch.topk(scaled, k, dim=-1)  # [B, k], sorted
         limit = torch.where(meta.top_k > 0, meta.top_k, k)
         values = values.masked_fill(torch.arange(k, device=logits.device)[None, :] >= limit[:, None], -torch.inf)
-        candidates = index.gather(1, inverse_cdf(torch.softmax(values, dim=-1), u))  # [B, D]
+        weights = torch.exp(values)  # [B, k], the row's maximum is 1
+        picked = inverse_cdf(weights, u)  # [B, D] positions among the k
+        candidates = index.gather(1, picked)
+        if meta.any_top_p:
+            inside = in_nucleus(weights, picked, meta.top_p)
     if meta.any_full:  # rows without top-k draw from the whole vocabulary
-        full = inverse_cdf(torch.softmax(scaled, dim=-1), u)  # [B, D]
-        candidates = torch.where((meta.top_k > 0)[:, None], candidates, full)
+        weights = torch.exp(scaled)  # [B, V]
+        full = inverse_cdf(weights, u)  # [B, D]
+        uses_k = (meta.top_k > 0)[:, None]
+        candidates = torch.where(uses_k, candidates, full)
+        if meta.any_top_p:
+            inside = torch.where(uses_k, inside, in_nucleus(weights, full, meta.top_p))
     missed = None
     if meta.any_top_p:
-        probs = torch.softmax(top_k_rows(scaled, meta.top_k, meta.max_top_k), dim=-1)  # [B, V]
-        inside = in_nucleus(probs, candidates, meta.top_p) | (meta.top_p >= 1.0)[:, None]  # [B, D]
+        inside = inside | (meta.top_p >= 1.0)[:, None]  # [B, D]
         first = torch.argmax(inside.to(torch.int8), dim=1)  # the first candidate inside (0 if none)
         tokens = candidates.gather(1, first[:, None]).squeeze(1)
         missed = sampled & ~inside.any(dim=1)

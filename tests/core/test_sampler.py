@@ -9,12 +9,14 @@ import torch
 
 from ead_llm.core.ops import apply_temperature, top_p_filter
 from ead_llm.core.sampler import (
+    CHUNK,
     LANE_ACCEPT,
     LANE_SAMPLE,
     Sampler,
     SamplingMetadata,
     filtered_probs,
     fork_key,
+    inverse_cdf,
     sample,
     stream_key,
     uniforms,
@@ -120,3 +122,23 @@ def test_a_seed_gives_the_same_draws_on_any_batch() -> None:
     together = sample(logits, SamplingMetadata.build(rows))[0]
     reversed_rows = sample(logits.flip(0), SamplingMetadata.build(rows[::-1]))[0].flip(0)
     assert torch.equal(together, reversed_rows)
+
+
+def test_draws_over_a_large_vocabulary_find_the_chunk_then_the_token() -> None:
+    vocab = 5 * CHUNK + 123  # several chunks and a partial one
+    gen = torch.Generator().manual_seed(4)
+    weights = torch.rand(1, vocab, generator=gen) ** 8  # uneven
+    weights[0, 3 * CHUNK : 4 * CHUNK] = 0.0  # a whole chunk that must never be drawn
+    weights[0, -1] = 5.0  # heavy mass in the partial chunk at the end
+    n = 40000
+    u = uniforms(torch.full((n,), 3, dtype=torch.int64), torch.arange(n), LANE_SAMPLE, 1)
+    tokens = inverse_cdf(weights.expand(n, -1), u)[:, 0]
+    assert bool((weights[0, tokens] > 0).all())
+    probs = (weights[0] / weights[0].sum()).double()
+    counts = torch.bincount(tokens, minlength=vocab).double() / n
+    assert abs(float(counts[-1]) - float(probs[-1])) < 0.01
+    by_chunk = lambda x: torch.stack([x[i : i + CHUNK].sum() for i in range(0, vocab, CHUNK)])  # noqa: E731
+    assert float((by_chunk(counts) - by_chunk(probs)).abs().max()) < 0.01
+    # the edges: u = 0 gives the first positive weight, u close to 1 the last
+    edges = inverse_cdf(weights, torch.tensor([[0.0, 1.0 - 1e-16]], dtype=torch.float64))[0].tolist()
+    assert edges == [int((weights[0] > 0).nonzero()[0]), vocab - 1]

@@ -1,0 +1,389 @@
+"""ead-llm's engine side by side with Hugging Face transformers on the same models, in one run.
+
+Every figure is a ratio measured in this process, ours against theirs (or against our own
+baselines), repeated; the median and the spread (min-max) are printed. torch runs one thread on
+both sides unless ``--threads`` says otherwise.
+
+(a) the embedded pair, one request at a time, greedy: our ``LargeOnly`` against the large model's
+    ``generate()``, and our ``SpeculativeDecoding`` (gamma 4, and adaptive) against assisted
+    generation, ``generate(assistant_model=small)``; the greedy texts must agree.
+(b) a random Llama pair with Qwen2.5's 151,936-token vocabulary, 16 requests in one call, sampled
+    (temperature 0.8, top-p 0.9): our ``LargeOnly`` against ``generate()`` on the padded batch.
+(c) the share of step time spent outside the models' forward passes at batch 64 (embedded pair
+    with EAD, and the pair of (b) sampled).
+(d) EAD at 16 concurrent callers against the same 16 requests one at a time (embedded pair).
+(e) EAD with lookahead (window 1, dwell 1, 0.05 bits) against the measured-time ideal
+    ``f_L * t_L + (1 - f_L) * t_S`` (t_S, t_L: SmallOnly's and LargeOnly's time per token).
+
+    python benchmarks/peer.py [--repeats 5] [--problems 20] [--threads 1] [--json out.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from ead_llm import EAD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, LoadedModel, ModelPair, describe_model, load_pair
+from ead_llm.core.model_runner import ModelRunner
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.embedded import embedded_pair, recommended_threshold
+from ead_llm.evaluation.task import problems
+from ead_llm.policies.base import Policy
+
+QWEN_VOCAB = 151_936
+GOALS = {
+    "a_large_only": (">=", 1.2),
+    "a_speculative": (">=", 1.0),
+    "a_speculative_adaptive": (">=", 1.0),
+    "b_large_only_sampled": (">=", 2.0),
+    "c_outside_forward_embedded": ("<=", 0.15),
+    "c_outside_forward_big_vocab": ("<=", 0.15),
+    "d_ead_16_callers": (">=", 5.0),
+    "e_lookahead_vs_ideal": ("<=", 1.2),
+}
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def timed(fn: Callable[[], int]) -> tuple[float, int]:
+    """Seconds and tokens of one run of ``fn`` (which returns the tokens it generated)."""
+    start = time.perf_counter()
+    tokens = fn()
+    return time.perf_counter() - start, tokens
+
+
+# -- (a) --------------------------------------------------------------------------------------------
+
+
+def embedded_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
+    small_dir, large_dir = embedded_pair()
+    engine = Engine(load_pair(LoadConfig(small=small_dir, large=large_dir, device="cpu")))
+    hf_large = AutoModelForCausalLM.from_pretrained(large_dir).eval()  # their own copies, untouched by ours
+    hf_small = AutoModelForCausalLM.from_pretrained(small_dir).eval()
+    tokenizer = engine.tokenizer
+    inputs = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+
+    def ours(policy: Policy) -> Callable[[], int]:
+        def run() -> int:
+            params = SamplingParams(max_tokens=max_tokens)
+            return sum(len(engine.generate([Request(p, policy, params)])[0].token_ids) for p in prompts)
+
+        return run
+
+    def theirs(assistant: Any = None) -> Callable[[], int]:
+        def run() -> int:
+            total = 0
+            with torch.inference_mode():
+                for ids in inputs:
+                    out = hf_large.generate(
+                        ids,
+                        max_new_tokens=max_tokens,
+                        do_sample=False,
+                        assistant_model=assistant,
+                        pad_token_id=tokenizer.pad_token_id,
+                    )
+                    total += out.shape[1] - ids.shape[1]
+            return total
+
+        return run
+
+    agree = 0
+    with torch.inference_mode():
+        for prompt, ids in zip(prompts, inputs, strict=True):
+            mine = engine.generate([Request(prompt, LargeOnly(), SamplingParams(max_tokens=max_tokens))])[0]
+            out = hf_large.generate(
+                ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+            )
+            agree += list(mine.token_ids) == out[0, ids.shape[1] :].tolist()
+    runs: dict[str, list[float]] = {k: [] for k in ("large_only", "speculative", "speculative_adaptive")}
+    rates: dict[str, list[float]] = {
+        k: [] for k in ("ours_large", "hf_large", "ours_spec", "ours_adaptive", "hf_assisted")
+    }
+    for _ in range(repeats):
+        ours_large, hf_plain = timed(ours(LargeOnly())), timed(theirs())
+        ours_spec = timed(ours(SpeculativeDecoding(gamma=4)))
+        ours_adaptive = timed(ours(SpeculativeDecoding(gamma=4, adaptive_gamma=True)))
+        hf_assisted = timed(theirs(hf_small))
+        per_s = {
+            "ours_large": ours_large[1] / ours_large[0],
+            "hf_large": hf_plain[1] / hf_plain[0],
+            "ours_spec": ours_spec[1] / ours_spec[0],
+            "ours_adaptive": ours_adaptive[1] / ours_adaptive[0],
+            "hf_assisted": hf_assisted[1] / hf_assisted[0],
+        }
+        for key, value in per_s.items():
+            rates[key].append(value)
+        runs["large_only"].append(per_s["ours_large"] / per_s["hf_large"])
+        runs["speculative"].append(per_s["ours_spec"] / per_s["hf_assisted"])
+        runs["speculative_adaptive"].append(per_s["ours_adaptive"] / per_s["hf_assisted"])
+    return {
+        "ratios": {f"a_{k}": spread(v) for k, v in runs.items()},
+        "tokens_per_s": {k: spread(v) for k, v in rates.items()},
+        "greedy_agreement_with_generate": f"{agree}/{len(prompts)}",
+    }
+
+
+# -- (b) --------------------------------------------------------------------------------------------
+
+
+def big_vocab_tokenizer(size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with ``size`` tokens ``t0 .. t{size-1}`` (the engine detokenizes with it)."""
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t3"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="t0", eos_token="t1", bos_token="t2", unk_token="t3"
+    )
+
+
+def random_llama(hidden: int, layers: int, seed: int, vocab: int = QWEN_VOCAB) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+def big_vocab_pair() -> ModelPair:
+    small, large = random_llama(64, 1, 0), random_llama(128, 2, 1)
+    return ModelPair(
+        tokenizer=big_vocab_tokenizer(QWEN_VOCAB),
+        small=LoadedModel(Role.SMALL, small, describe_model("random-llama-64x1", small)),
+        large=LoadedModel(Role.LARGE, large, describe_model("random-llama-128x2", large)),
+        device=torch.device("cpu"),
+        vocab_size=QWEN_VOCAB,
+        eos_token_ids=frozenset({1}),
+    )
+
+
+def random_prompts(count: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 48, (count,), generator=gen).tolist()
+    return [torch.randint(3, QWEN_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def big_vocab_peer(max_tokens: int, repeats: int) -> dict[str, Any]:
+    engine = Engine(big_vocab_pair())
+    hf = random_llama(128, 2, 1)  # the same weights, their own copy
+    prompts = random_prompts(16, 0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.9, ignore_eos=True, seed=1)
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded, as generate() wants
+    mask = (ids != 0).long()
+    for row, prompt in enumerate(prompts):
+        mask[row, width - len(prompt) :] = 1
+
+    def ours() -> int:
+        return sum(len(c.token_ids) for c in engine.generate([Request(p, LargeOnly(), params) for p in prompts]))
+
+    def theirs() -> int:
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=0.8,
+                top_p=0.9,
+                top_k=0,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=0,
+            )
+        return (out.shape[1] - width) * len(prompts)
+
+    ratios, rates = [], {"ours": [], "hf": []}
+    for _ in range(repeats):
+        mine, hfs = timed(ours), timed(theirs)
+        rates["ours"].append(mine[1] / mine[0])
+        rates["hf"].append(hfs[1] / hfs[0])
+        ratios.append(rates["ours"][-1] / rates["hf"][-1])
+    return {
+        "ratios": {"b_large_only_sampled": spread(ratios)},
+        "tokens_per_s": {k: spread(v) for k, v in rates.items()},
+    }
+
+
+# -- (c) --------------------------------------------------------------------------------------------
+
+
+class ForwardClock:
+    """Adds up the time spent inside the models' forward passes (the runners' model calls)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds = 0.0
+        for runner in engine.runners.values():
+            self._wrap(runner)
+
+    def _wrap(self, runner: ModelRunner) -> None:
+        clock = self
+        if runner._fused is not None:
+            inner = runner._fused
+
+            class Timed:
+                def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                    start = time.perf_counter()
+                    try:
+                        return inner(*args, **kwargs)
+                    finally:
+                        clock.seconds += time.perf_counter() - start
+
+            runner._fused = Timed()  # type: ignore[assignment]
+        else:
+            model = runner.model
+            original = model.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    clock.seconds += time.perf_counter() - start
+
+            model.forward = forward  # type: ignore[method-assign]
+
+
+def outside_forward(engine: Engine, requests: list[Request], repeats: int) -> dict[str, float]:
+    clock = ForwardClock(engine)
+    shares = []
+    for _ in range(repeats):
+        clock.seconds = 0.0
+        elapsed, _ = timed(lambda: sum(len(c.token_ids) for c in engine.generate(requests)))
+        shares.append(1.0 - clock.seconds / elapsed)
+    return spread(shares)
+
+
+# -- (d), (e) ---------------------------------------------------------------------------------------
+
+
+def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[str, float]:
+    def alone() -> int:
+        return sum(len(engine.generate([r])[0].token_ids) for r in requests)
+
+    def together() -> int:
+        counts = [0] * len(requests)
+        barrier = threading.Barrier(len(requests))
+
+        def call(i: int) -> None:
+            barrier.wait()
+            counts[i] = len(engine.generate([requests[i]])[0].token_ids)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(len(requests))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return sum(counts)
+
+    ratios = []
+    for _ in range(repeats):
+        a, b = timed(alone), timed(together)
+        ratios.append((b[1] / b[0]) / (a[1] / a[0]))
+    return spread(ratios)
+
+
+def lookahead_vs_ideal(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
+    def per_token(policy: Policy) -> tuple[float, float]:
+        params = SamplingParams(max_tokens=max_tokens)
+        start = time.perf_counter()
+        done = [engine.generate([Request(p, policy, params)])[0] for p in prompts]
+        elapsed = time.perf_counter() - start
+        tokens = sum(c.cost.completion_tokens for c in done)
+        return elapsed / tokens, sum(c.cost.large_tokens for c in done) / tokens
+
+    lookahead = EAD(threshold=0.05, window=1, min_dwell=1, lookahead=True)
+    ratios, fractions = [], []
+    for _ in range(repeats):
+        t_small, _ = per_token(SmallOnly())
+        t_large, _ = per_token(LargeOnly())
+        t_ead, fraction = per_token(lookahead)
+        ratios.append(t_ead / (fraction * t_large + (1 - fraction) * t_small))
+        fractions.append(fraction)
+    return {"ratio": spread(ratios), "large_fraction": statistics.median(fractions)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--problems", type=int, default=20, help="embedded test problems for (a) and (e)")
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="2 repeats, 8 problems, shorter runs")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args()
+    if args.quick:
+        args.repeats, args.problems = 2, 8
+    torch.set_num_threads(args.threads)
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s) on both sides, {args.repeats} repeats"
+    )
+    prompts = [p.prompt for p in problems("test", args.problems)]
+    report: dict[str, Any] = {"ratios": {}}
+
+    a = embedded_peers(prompts, args.max_tokens, args.repeats)
+    report["a"] = a
+    report["ratios"].update(a["ratios"])
+    b = big_vocab_peer(16 if args.quick else 32, args.repeats)
+    report["b"] = b
+    report["ratios"].update(b["ratios"])
+
+    small_dir, large_dir = embedded_pair()
+    embedded = Engine(load_pair(LoadConfig(small=small_dir, large=large_dir, device="cpu")), max_batch=64)
+    ead = EAD(threshold=recommended_threshold())
+    batch64 = [Request(p.prompt, ead, SamplingParams(max_tokens=args.max_tokens)) for p in problems("test", 64)]
+    report["ratios"]["c_outside_forward_embedded"] = outside_forward(embedded, batch64, args.repeats)
+    big = Engine(big_vocab_pair(), max_batch=64)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, ignore_eos=True)
+    big64 = [Request(p, LargeOnly(), sampled) for p in random_prompts(64, 1)]
+    report["ratios"]["c_outside_forward_big_vocab"] = outside_forward(big, big64, max(1, args.repeats // 2))
+
+    callers = [Request(p.prompt, ead, SamplingParams(max_tokens=args.max_tokens)) for p in problems("test", 16)]
+    report["ratios"]["d_ead_16_callers"] = concurrency(embedded, callers, args.repeats)
+    e = lookahead_vs_ideal(embedded, prompts, args.max_tokens, args.repeats)
+    report["e"] = e
+    report["ratios"]["e_lookahead_vs_ideal"] = e["ratio"]
+
+    print(f"{'figure':34} {'median':>8} {'min':>8} {'max':>8}  goal      met")
+    for name, figure in report["ratios"].items():
+        sign, goal = GOALS[name]
+        value = figure["median"]
+        met = value >= goal if sign == ">=" else value <= goal
+        verdict = "yes" if met else "NO"
+        print(f"{name:34} {value:8.3f} {figure['min']:8.3f} {figure['max']:8.3f}  {sign} {goal:<5}  {verdict}")
+    print(f"(a) tokens/s: { {k: round(v['median']) for k, v in a['tokens_per_s'].items()} }")
+    print(f"(a) greedy LargeOnly texts equal to generate()'s: {a['greedy_agreement_with_generate']}")
+    print(f"(b) tokens/s: { {k: round(v['median']) for k, v in b['tokens_per_s'].items()} }")
+    print(f"(e) EAD+lookahead large fraction {e['large_fraction']:.3f}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(report, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
