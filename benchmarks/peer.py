@@ -30,8 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ead_llm import EAD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
@@ -42,6 +41,7 @@ from ead_llm.core.types import Role
 from ead_llm.embedded import embedded_pair, recommended_threshold
 from ead_llm.evaluation.task import problems
 from ead_llm.policies.base import Policy
+from ead_llm.testing.tiny import big_vocab_tokenizer
 
 QWEN_VOCAB = 151_936
 GOALS = {
@@ -139,16 +139,6 @@ def embedded_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[st
 
 
 # -- (b) --------------------------------------------------------------------------------------------
-
-
-def big_vocab_tokenizer(size: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer with ``size`` tokens ``t0 .. t{size-1}`` (the engine detokenizes with it)."""
-    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t3"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.decoder = decoders.WordPiece()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="t0", eos_token="t1", bos_token="t2", unk_token="t3"
-    )
 
 
 def random_llama(hidden: int, layers: int, seed: int, vocab: int = QWEN_VOCAB) -> LlamaForCausalLM:

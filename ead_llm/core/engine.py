@@ -17,6 +17,7 @@ stop strings, the ledger and the framework adapters all consume that one stream.
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import queue
@@ -81,6 +82,7 @@ class EventStream(Iterator[TokenEvent]):
         self._timeout_s = timeout_s
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self._done = False
+        self._buffer: collections.deque[Any] = collections.deque()
 
     def __iter__(self) -> EventStream:
         return self
@@ -88,14 +90,17 @@ class EventStream(Iterator[TokenEvent]):
     def __next__(self) -> TokenEvent:
         if self._done:
             raise StopIteration
-        try:
-            wait = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-            item = self._call.queue.get(timeout=wait)
-        except queue.Empty:
-            self.cancel()
-            raise TimeoutError(
-                f"the call took longer than {self._timeout_s} s: raise the timeout or lower max_tokens"
-            ) from None
+        while not self._buffer:
+            try:
+                wait = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+                items = self._call.queue.get(timeout=wait)
+            except queue.Empty:
+                self.cancel()
+                raise TimeoutError(
+                    f"the call took longer than {self._timeout_s} s: raise the timeout or lower max_tokens"
+                ) from None
+            self._buffer.extend(items if isinstance(items, list) else [items])
+        item = self._buffer.popleft()
         if item is DONE or item is WAKE:
             self._done = True
             raise StopIteration
@@ -129,8 +134,9 @@ class Engine:
     sequences run at once; each model's KV cache is paged in blocks of ``kv_block_size`` positions
     and holds at most ``kv_budget_tokens`` positions (None: grows as needed), so memory follows the
     tokens actually held. A sequence's randomness is its own (its seed, stream and position), so its
-    text does not depend on what else runs; in float32 greedy text does not either (reduced
-    precision rounds differently in different pass shapes; see the README).
+    text does not depend on what else runs; in float32 greedy text does not either. In bfloat16,
+    passes of different shapes (a batch, a verification) round differently and near-ties can flip
+    (see the README's figures).
     """
 
     def __init__(
@@ -398,8 +404,8 @@ class Engine:
                         scheduler.fail(seq, exc)
                 with self._cond:
                     deliveries = scheduler.finish_step()
-                for call, item in deliveries:
-                    call.queue.put(item)
+                for call, items in deliveries.items():
+                    call.queue.put(items)  # one hand-over per caller per step
 
     def _step(self) -> None:
         for role, rows in self.scheduler.schedule():

@@ -204,7 +204,13 @@ class ModelRunner:
     """Runs one model of the pair over the rows of a pass (see the module docstring)."""
 
     def __init__(
-        self, loaded: LoadedModel, device: torch.device, vocab_size: int, cache: KVCache, *, fused: bool = True
+        self,
+        loaded: LoadedModel,
+        device: torch.device,
+        vocab_size: int,
+        cache: KVCache,
+        *,
+        fused: bool = True,
     ) -> None:
         """``fused``: run Llama-family models through :mod:`ead_llm.core.fused_llama` (their q/k/v and
         gate/up weights become views of fused tensors); otherwise, and for other models, through

@@ -200,20 +200,23 @@ class Scheduler:
     def fork_room(self) -> ForkRoom:
         return ForkRoom(self)
 
-    def finish_step(self) -> list[tuple[Call, Any]]:
+    def finish_step(self) -> dict[Call, list[Any]]:
         """Retire what finished or belongs to a failed or cancelled call (its blocks freed), then return
-        the step's deliveries: events, errors, and the end marker of every call whose last path just
-        finished. (So a caller that has its answer finds the engine's load without it.)"""
+        the step's deliveries per call, in order: events, an error, and the end marker of a call whose
+        last path just finished. (So a caller that has its answer finds the engine's load without it.)"""
         self.waiting = deque(s for s in self.waiting if not (s.call.cancelled or s.call.failed))
         for seq in self.running:
             if seq.finished or seq.call.failed or seq.call.cancelled:
                 seq.finished = True
                 self._release(seq)
         self.running = [s for s in self.running if not s.finished]
-        out, self._outbox = self._outbox, []
-        for call in {id(c): c for c, item in out if isinstance(item, TokenEvent)}.values():
-            if call.open == 0 and not call.failed:
-                out.append((call, DONE))
+        out: dict[Call, list[Any]] = {}
+        for call, item in self._outbox:
+            out.setdefault(call, []).append(item)
+        self._outbox = []
+        for call, items in out.items():
+            if call.open == 0 and not call.failed and isinstance(items[-1], TokenEvent):
+                items.append(DONE)
         if not self.running:
             for cache in self.caches.values():
                 cache.trim()

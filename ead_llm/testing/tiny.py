@@ -65,6 +65,16 @@ def byte_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 400) -> PreTrain
     )
 
 
+def big_vocab_tokenizer(size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with ``size`` tokens ``t0 .. t{size-1}`` (the engine detokenizes with it)."""
+    core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t3"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="t0", eos_token="t1", bos_token="t2", unk_token="t3"
+    )
+
+
 @dataclass(frozen=True)
 class TinyShape:
     """Size of a tiny model."""
