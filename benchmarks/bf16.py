@@ -121,9 +121,8 @@ def main() -> None:
             "batched_tokens_per_s": tokens_per_s(engine, prompts, args.max_tokens, batched=True, repeats=args.repeats),
         }
         rows.append(row)
-        label = dtype
         print(
-            f"{label:28} batched = alone {row['batched_equals_alone']}/{len(prompts)}, "
+            f"{dtype:10} batched = alone {row['batched_equals_alone']}/{len(prompts)}, "
             f"speculative = LargeOnly {row['speculative_equals_large_only']}/{len(prompts)}; LargeOnly "
             f"{row['alone_tokens_per_s']:.0f} tok/s alone, {row['batched_tokens_per_s']:.0f} tok/s batched"
         )

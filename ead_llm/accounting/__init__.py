@@ -1,1 +1,1 @@
-"""accounting"""
+"""The bill: the cost ledger fed by token events, and ``track_cost()`` across calls."""

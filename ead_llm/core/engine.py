@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import collections
-import dataclasses
 import logging
 import queue
 import threading
@@ -60,6 +59,13 @@ def _check_requests(requests: Sequence[Request]) -> None:
     for request in requests:
         if not isinstance(request, Request):
             raise ValueError(f"requests must be Request objects, got {request!r}")
+
+
+def _with_text(event: TokenEvent, text: str) -> TokenEvent:
+    """``event`` with its text filled in (``dataclasses.replace`` without its per-field overhead)."""
+    filled = object.__new__(TokenEvent)
+    filled.__dict__.update(event.__dict__, text=text)
+    return filled
 
 
 class EventStream(Iterator[TokenEvent]):
@@ -109,7 +115,7 @@ class EventStream(Iterator[TokenEvent]):
             raise item
         processor = self._processors.get(item.index)
         if processor is not None:
-            item = dataclasses.replace(item, text=processor.push(item.token_id, last=item.finish_reason is not None))
+            item = _with_text(item, processor.push(item.token_id, last=item.finish_reason is not None))
         return item
 
     def cancel(self) -> None:

@@ -1,1 +1,1 @@
-"""evaluation"""
+"""The embedded task, answer extractors, statistics, and the ``ead-llm bench`` harness."""

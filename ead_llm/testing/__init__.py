@@ -1,1 +1,1 @@
-"""testing"""
+"""Tiny tokenizers and randomly initialised pairs for tests, demos and benchmarks."""
