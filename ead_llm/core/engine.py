@@ -491,8 +491,8 @@ class Engine:
 
     @staticmethod
     def _branch_entropy(logits: torch.Tensor, seqs: list[Seq]) -> torch.Tensor:
-        """EAGER's entropy (nats over each row's top-k, k from its policy; 20 for rows that do not branch)."""
-        ks = [int(getattr(getattr(seq.decoder, "policy", None), "top_k", 20)) for seq in seqs]
+        """EAGER's entropy (nats over each row's top-k, as its decoder asks; rows that do not branch get 20)."""
+        ks = [seq.decoder.branch_top_k for seq in seqs]
         if len(set(ks)) == 1:
             return top_k_entropy_nats(logits, ks[0])
         out = torch.empty(len(seqs), device=logits.device)

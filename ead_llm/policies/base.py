@@ -170,6 +170,8 @@ class Decoder(ABC):
 
     branch_stats: ClassVar[bool] = False
     """Whether its sampled rows need the top-2 tokens and EAGER's entropy."""
+    branch_top_k: int = 20
+    """The probabilities EAGER's entropy is measured over, when ``branch_stats``."""
     forks: ClassVar[bool] = False
     """Whether it may branch new paths (its text is then made on the scheduler thread)."""
 

@@ -241,6 +241,7 @@ class BranchingDecoder(Decoder):
 
     def __init__(self, policy: EAGER, inner: SwitchingDecoder, prompt: PromptPaths, *, root: bool = True) -> None:
         self.policy, self.inner, self.prompt, self.root = policy, inner, prompt, root
+        self.branch_top_k = policy.top_k
 
     def read(self, seq: SequenceView) -> Read:
         return self.inner.read(seq)
