@@ -536,6 +536,7 @@ class Engine:
             overlap_threshold=torch.tensor([r.overlap_threshold for r in rounds], dtype=torch.float32, device=device),
             oracle=torch.tensor([r.oracle for r in rounds], dtype=torch.bool, device=device),
             max_top_k=max((seq.params.top_k for seq, s in zip(seqs, sampled, strict=True) if s), default=0),
+            any_top_p=any(seq.params.top_p < 1.0 for seq, s in zip(seqs, sampled, strict=True) if s),
             max_top_n=max((r.top_n for r in rounds if r.entropy_threshold != float("inf")), default=1),
             any_sampled=any(sampled),
             any_entropy_rule=any(r.entropy_threshold != float("inf") for r in rounds),

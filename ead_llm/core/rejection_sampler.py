@@ -61,6 +61,8 @@ class VerifyBatch:
     """[R] bool."""
     max_top_k: int = 0
     """Largest top-k of a sampled row."""
+    any_top_p: bool = False
+    """Whether a sampled row uses top-p."""
     max_top_n: int = 1
     """Largest ``top_n`` of a row that may reject on entropy (1 when none may)."""
     any_sampled: bool = False
@@ -109,8 +111,8 @@ def verify(batch: VerifyBatch) -> VerifyOutput:
     p = q = None
     if batch.any_sampled:
         temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-        p = _probs(batch.target_logits, temperature, batch.top_k, batch.top_p, batch.max_top_k)  # [R, G+1, V]
-        q = _probs(batch.draft_logits, temperature, batch.top_k, batch.top_p, batch.max_top_k)  # [R, G, V]
+        p = _probs(batch.target_logits, temperature, batch)  # [R, G+1, V]
+        q = _probs(batch.draft_logits, temperature, batch)  # [R, G, V]
         p_x = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
         ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 1.0)
@@ -165,16 +167,15 @@ def verify(batch: VerifyBatch) -> VerifyOutput:
     )
 
 
-def _probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int
-) -> torch.Tensor:
-    """Sampling distributions of ``logits`` ``[R, P, V]`` with per-round settings ``[R]`` -> ``[R, P, V]``."""
+def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
+    """Sampling distributions of ``logits`` ``[R, P, V]`` with each round's settings -> ``[R, P, V]``."""
     rounds, width, vocab = logits.shape
     flat = filtered_probs(
         logits.reshape(rounds * width, vocab),
         temperature.repeat_interleave(width),
-        top_k.repeat_interleave(width),
-        top_p.repeat_interleave(width),
-        max_top_k=max_top_k,
+        batch.top_k.repeat_interleave(width),
+        batch.top_p.repeat_interleave(width),
+        max_top_k=batch.max_top_k,
+        any_top_p=batch.any_top_p,
     )
     return flat.view(rounds, width, vocab)

@@ -136,16 +136,23 @@ def in_nucleus(weights: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor)
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, max_top_k: int
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    max_top_k: int,
+    any_top_p: bool,
 ) -> torch.Tensor:
     """Sampling distributions ``[B, V]`` after temperature, top-k and top-p, per row (temperature > 0).
 
     ``logits``: [B, V] raw; ``temperature``, ``top_p``: [B] float; ``top_k``: [B] int (0: off), at most
-    ``max_top_k``. Exact, with one sort of the rows when any uses top-p: for where a whole
-    distribution is needed (speculative verification), not to draw one token.
+    ``max_top_k``; ``any_top_p``: whether a row's ``top_p`` is below 1. Exact, with one sort of the
+    rows when one uses top-p: for where a whole distribution is needed (speculative verification,
+    a missed draw's redraw), not to draw a token in the common case.
     """
     scaled = top_k_rows(apply_temperature(logits, temperature[:, None]), top_k, max_top_k)
-    if bool((top_p < 1.0).any()):
+    if any_top_p:
         scaled = top_p_filter(scaled, top_p[:, None])
     return torch.softmax(scaled, dim=-1)
 
@@ -277,7 +284,12 @@ class Sampler:
         """Exact draws (sort-based filters) for ``rows`` whose top-p candidates all missed; rare."""
         index = torch.tensor(rows, dtype=torch.long, device=logits.device)
         probs = filtered_probs(
-            logits[index], meta.temperature[index], meta.top_k[index], meta.top_p[index], max_top_k=meta.max_top_k
+            logits[index],
+            meta.temperature[index],
+            meta.top_k[index],
+            meta.top_p[index],
+            max_top_k=meta.max_top_k,
+            any_top_p=True,
         )
         u = uniforms(meta.keys[index], meta.positions[index], LANE_RESAMPLE, 1)
         return inverse_cdf(probs, u)[:, 0].tolist()

@@ -30,6 +30,7 @@ def batch(
     overlap_threshold: float = 1.0,
     oracle: bool = False,
     key: int = 5,
+    top_p: float = 1.0,
 ) -> VerifyBatch:
     """Rounds padded to the longest, as the engine builds them."""
     rounds = len(drafts)
@@ -49,7 +50,7 @@ def batch(
         target_logits=large,
         temperature=torch.full((rounds,), temperature),
         top_k=torch.zeros(rounds, dtype=torch.long),
-        top_p=torch.ones(rounds),
+        top_p=torch.full((rounds,), top_p),
         keys=torch.full((rounds,), key, dtype=torch.long),
         positions=torch.tensor(positions or [10] * rounds),
         entropy_threshold=torch.full((rounds,), entropy_threshold),
@@ -58,6 +59,7 @@ def batch(
         oracle=torch.full((rounds,), oracle),
         max_top_n=top_n,
         any_sampled=temperature > 0,
+        any_top_p=top_p < 1.0,
         any_entropy_rule=not math.isinf(entropy_threshold),
     )
 
@@ -107,6 +109,23 @@ def test_sampled_rounds_emit_the_large_model_distribution() -> None:
     assert 0.5 * float((counts - torch.tensor(p_large, dtype=torch.float64)).abs().sum()) < 0.02
     rate = float(out.accepted.double().mean())  # sum_x min(p, q)
     assert abs(rate - sum(min(a, b) for a, b in zip(p_large, p_small, strict=True))) < 0.02
+
+
+def test_sampled_rounds_with_top_p_emit_the_large_model_nucleus() -> None:
+    p_large = [0.5, 0.3, 0.15, 0.05, 0.0, 0.0]  # top-p 0.7: the nucleus is {0, 1}, renormalised 5/8, 3/8
+    p_small = [0.2, 0.5, 0.05, 0.0, 0.25, 0.0]  # top-p 0.7 for the drafts: {1, 4}
+    n = 20000
+    small, large = logits_of(p_small), logits_of(p_large, p_large)
+    drafts = torch.where(torch.rand(n, generator=torch.Generator().manual_seed(1)) < 0.5 / 0.75, 1, 4)
+    out = verify(
+        batch(
+            [[int(d)] for d in drafts], [small] * n, [large] * n, temperature=1.0, positions=list(range(n)), top_p=0.7
+        )
+    )
+    first = torch.where(out.accepted > 0, drafts, out.token)
+    counts = torch.bincount(first, minlength=V).double() / n
+    assert set(first.tolist()) <= {0, 1}
+    assert abs(float(counts[0]) - 5 / 8) < 0.02 and abs(float(counts[1]) - 3 / 8) < 0.02
 
 
 def test_easd_rejects_uncertain_agreement() -> None:
