@@ -37,6 +37,8 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import RunnableConfig
+from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict, PrivateAttr
 
 from ead_llm.accounting.ledger import Cost, Pricing
@@ -44,7 +46,7 @@ from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_
 from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
 from ead_llm.core.request import Completion
 from ead_llm.core.types import Role
-from ead_llm.policies.base import check_policy, describe_policy, policy_from_description, policy_tag
+from ead_llm.policies.base import Policy, describe_policy, policy_from_description, policy_tag
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +124,9 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
     @property
     def model(self) -> str:
         """DSPy's name of this LM: the pair and the policy (both decide the output)."""
-        return f"ead-llm/{self.pair_name}@{policy_tag(self._policy())}" + (",ignore_eos" if self.ignore_eos else "")
+        policy = self.policy  # a per-call option not yet checked may be anything: the run will refuse it
+        tag = policy_tag(policy) if isinstance(policy, Policy) else repr(policy)
+        return f"ead-llm/{self.pair_name}@{tag}" + (",ignore_eos" if self.ignore_eos else "")
 
     @property
     def model_type(self) -> Literal["chat", "text"]:
@@ -304,13 +308,81 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         return params
 
     def _bound(self, options: dict[str, Any]) -> EntropyAdaptiveLLM:
-        """This object with per-call options applied (so LangChain's cache key sees them)."""
-        if "policy" in options:
-            check_policy(options["policy"])
-        self._sampling(options, None)
+        """This object with per-call options applied (so LangChain's cache key sees them). Nothing is
+        checked here: a bad option raises inside the run, where callbacks see it (``on_llm_error``)."""
         bound = self.model_copy(update=options)
         bound._history = self._history
         return bound
+
+    def _input_error(self, item: Any, stop: list[str] | None, options: dict[str, Any]) -> Exception | None:
+        """Why one input of a batch would fail before anything runs (None when it would not)."""
+        try:
+            prompt = self._convert_input(item).to_string()
+            (request,) = self._requests([prompt], stop, options)
+            self._engine.prompt_ids(request)
+        except Exception as exc:
+            return exc
+        return None
+
+    def batch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[str]:
+        """LangChain's batch (one engine call). With ``return_exceptions``, an input that cannot run (an
+        overlong prompt, a lone surrogate, not a string) gets its own error, in its own run, and the
+        others their results."""
+        if not return_exceptions or not inputs:
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        configs = get_config_list(config, len(inputs))
+        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
+        bad = {i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)}
+        good = [i for i in range(len(inputs)) if i not in bad]
+        out: list[Any] = [None] * len(inputs)
+        if good:
+            results = super().batch(
+                [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
+            )
+            for i, result in zip(good, results, strict=True):
+                out[i] = result
+        for i in sorted(bad):  # each in a run of its own, so that tracers see its error
+            try:
+                out[i] = self.invoke(inputs[i], configs[i], **kwargs)
+            except Exception as exc:
+                out[i] = exc
+        return out
+
+    async def abatch(
+        self,
+        inputs: list[Any],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[str]:
+        """Async batch, with the same handling of inputs that cannot run."""
+        if not return_exceptions or not inputs:
+            return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        configs = get_config_list(config, len(inputs))
+        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
+        bad = {i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)}
+        good = [i for i in range(len(inputs)) if i not in bad]
+        out: list[Any] = [None] * len(inputs)
+        if good:
+            results = await super().abatch(
+                [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
+            )
+            for i, result in zip(good, results, strict=True):
+                out[i] = result
+        for i in sorted(bad):
+            try:
+                out[i] = await self.ainvoke(inputs[i], configs[i], **kwargs)
+            except Exception as exc:
+                out[i] = exc
+        return out
 
     def generate(  # type: ignore[override]
         self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
@@ -339,7 +411,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
     ) -> LLMResult:
         requests = self._requests(prompts, stop, kwargs)
         completions, total = self._run(requests)
-        return LLMResult(
+        return PairResult(
             generations=[[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions],
             llm_output={
                 "token_usage": {
@@ -370,6 +442,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         (request,) = self._requests([prompt], stop, kwargs)
+        if run_manager is not None:
+            _report_on_end(run_manager, self)
         for event, cost in self._stream_events(request):
             chunk = GenerationChunk(
                 text=event.text, generation_info=_chunk_info(event.role, event.token_id, event.entropy)
@@ -392,10 +466,48 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         iterator = self._stream(prompt, stop, None, **kwargs)
+        if run_manager is not None:
+            _report_on_end(run_manager, self)
         async for chunk in iterate_in_thread(iterator):
             if run_manager is not None:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+
+class PairResult(LLMResult):
+    """An ``LLMResult`` whose ``flatten()`` gives each prompt its own bill: LangChain reports a batch to
+    callbacks as one ``on_llm_end`` per prompt, and their costs must add up to the call's."""
+
+    def flatten(self) -> list[LLMResult]:
+        out = []
+        for generations in self.generations:
+            info = generations[0].generation_info or {} if generations else {}
+            out.append(LLMResult(generations=[generations], llm_output={**(self.llm_output or {}), **_bill(info)}))
+        return out
+
+
+def _bill(info: dict[str, Any]) -> dict[str, Any]:
+    """``llm_output``'s usage keys for one completion's ``generation_info``."""
+    cost = info.get("cost")
+    if cost is None:
+        return {}
+    usage = {key: cost[key] for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {"token_usage": usage, "cost": cost}
+
+
+def _report_on_end(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerForLLMRun, llm: Any) -> None:
+    """Make the ``on_llm_end`` LangChain sends after a stream carry ``llm_output`` (the bill and token
+    usage), as a non-streamed call's does: the streamed generation's info holds the cost."""
+    original = run_manager.on_llm_end
+
+    def on_llm_end(response: LLMResult, **kwargs: Any) -> Any:
+        if response.llm_output is None and response.generations and response.generations[0]:
+            info = response.generations[0][0].generation_info or {}
+            output = {**_bill(info), "model_name": llm.pair_name, "policy": describe_policy(llm._policy())}
+            response = LLMResult(generations=response.generations, llm_output=output, run=response.run)
+        return original(response, **kwargs)
+
+    run_manager.on_llm_end = on_llm_end  # type: ignore[method-assign]
 
 
 def _chunk_info(role: Role, token_id: int, entropy: float) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer, field_validator, model_validator
 from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
+from ead_llm import __version__
 from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.accounting.tracking import report
 from ead_llm.adapters.prompts import PromptFormat
@@ -28,7 +29,7 @@ from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
 from ead_llm.core.types import TokenEvent
 from ead_llm.core.validation import check_float, check_int, check_stop
 from ead_llm.embedded import embedded_pair, recommended_threshold
-from ead_llm.policies.base import Policy, check_policy, describe_policy
+from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description
 from ead_llm.policies.switching import EAD
 
 CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "prompt_truncation")
@@ -46,6 +47,24 @@ LOAD_FIELDS = (
     "retry_wait_s",
 )
 """The fields passed on to :class:`~ead_llm.core.loading.LoadConfig` as they are."""
+IDENTITY_FIELDS = (
+    "small",
+    "large",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "prompt_truncation",
+    "prompt_format",
+    "dtype",
+    "revision",
+)
+"""Fields that decide the text (with the policy): what a cache key and ``asdict()`` hold."""
+DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
+"""Keys of ``asdict()`` that are not constructor arguments."""
 T = TypeVar("T")
 
 
@@ -141,10 +160,26 @@ class PairModel(BaseModel):
 
     _engine: Engine = PrivateAttr()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_description_keys(cls, data: Any) -> Any:
+        """Accept what ``asdict()``/``save()`` write: LangChain's ``_type`` and our version marker."""
+        if isinstance(data, dict) and DESCRIPTION_KEYS & set(data):
+            return {k: v for k, v in data.items() if k not in DESCRIPTION_KEYS}
+        return data
+
     @field_validator("policy", mode="before")
     @classmethod
     def _check_policy(cls, value: Any) -> Policy | None:
-        return None if value is None else check_policy(value)
+        """A policy object, or its description (``{"policy": "ead", "threshold": 0.1}``, as dumped)."""
+        if value is None:
+            return None
+        return policy_from_description(value) if isinstance(value, dict) else check_policy(value)
+
+    @field_serializer("policy")
+    def _dump_policy(self, policy: Policy | None) -> dict[str, Any] | None:
+        """Dumped with its type and settings, so that ``model_validate(model_dump())`` rebuilds it."""
+        return None if policy is None else describe_policy(policy)
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -230,28 +265,24 @@ class PairModel(BaseModel):
         sample_index: int | None = None,
     ) -> list[Request]:
         options = self._call_options(kwargs)
-        policy = check_policy(options.get("policy", self._policy()))
+        policy = check_policy(options.get("policy", self.policy))
         sampling = self._sampling(options, stop)
         return [Request(prompt=p, policy=policy, sampling=sampling, sample_index=sample_index) for p in prompts]
 
     def _identity(self) -> dict[str, Any]:
-        """Everything that decides the output (the LangChain cache key and trace parameters)."""
-        return {
-            "small": self._engine.pair.small.info.source,
-            "large": self._engine.pair.large.info.source,
-            **describe_policy(self._policy()),
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "max_tokens": self.max_tokens,
-            "seed": self.seed,
-            "ignore_eos": self.ignore_eos,
-            "prompt_truncation": self.prompt_truncation,
-        }
+        """Everything that decides the output, as constructor arguments: LangChain's cache key, its trace
+        parameters and ``asdict()`` (so ``type(llm)(**llm.asdict())`` rebuilds it). The pair is named as
+        given (never by an install's absolute path); the embedded pair by the package version that ships it."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        policy = self.policy  # a per-call option is checked inside the run, so it may not be a policy yet
+        out["policy"] = describe_policy(policy) if isinstance(policy, Policy) else repr(policy)
+        if self.small is None:
+            out["ead_llm_version"] = __version__
+        return out
 
     def get_token_ids(self, text: str) -> list[int]:
-        """Token ids of ``text`` with the pair's tokenizer (used by ``get_num_tokens``)."""
-        return list(self._engine.tokenizer.encode(text, add_special_tokens=False))
+        """Token ids of ``text`` as the engine bills a prompt (special tokens such as BOS included)."""
+        return self._engine.encode(text)
 
     # -- running ----------------------------------------------------------------------------------
 

@@ -292,6 +292,8 @@ def policy_from_description(description: dict[str, Any]) -> Policy:
     for key, value in settings.items():
         if value == "inf":
             settings[key] = math.inf
+        elif isinstance(value, dict) and "policy" in value:  # a nested policy (EAGER's decoder)
+            settings[key] = policy_from_description(value)
     return classes[name](**settings)
 
 
