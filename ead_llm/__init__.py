@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _WHERE = {
     "ChatEntropyAdaptive": "ead_llm.adapters.langchain_chat",
     "CompletionAdapter": "ead_llm.adapters.dspy_adapter",
+    "CompletionStreamListener": "ead_llm.adapters.dspy_adapter",
     "EntropyAdaptiveLLM": "ead_llm.adapters.langchain_llm",
     "Cost": "ead_llm.accounting.ledger",
     "Pricing": "ead_llm.accounting.ledger",
@@ -49,6 +50,7 @@ __all__ = [
     "ChatEntropyAdaptive",
     "Completion",
     "CompletionAdapter",
+    "CompletionStreamListener",
     "Cost",
     "CostTracker",
     "Engine",
@@ -90,7 +92,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from ead_llm.accounting.ledger import Cost, Pricing
     from ead_llm.accounting.tracking import CostTracker, track_cost
-    from ead_llm.adapters.dspy_adapter import CompletionAdapter
+    from ead_llm.adapters.dspy_adapter import CompletionAdapter, CompletionStreamListener
     from ead_llm.adapters.langchain_chat import ChatEntropyAdaptive
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
     from ead_llm.core.engine import Engine

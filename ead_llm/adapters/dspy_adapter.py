@@ -8,9 +8,13 @@ format instead:
 - prompt: the input fields' values, one per line (each demo first, as input lines followed by its
   outputs, when ``max_demos`` allows);
 - completion: every output field before the last receives the text before the answer line; the
-  last receives what follows ``answer_prefix`` on that line (or the last non-empty line when the
-  prefix is missing), converted to the field's type; a numeric field takes the first number there
-  (as ``ead_llm.evaluation.task.extract_answer`` does), so DSPy metrics agree with the task's own scoring.
+  last receives what follows ``answer_prefix`` on that line, converted to the field's type; a
+  numeric field takes the first number there (as ``ead_llm.evaluation.task.extract_answer`` does), so
+  DSPy metrics agree with the task's own scoring. A completion without the answer line (cut off by
+  ``max_tokens``, say) is a parse error, never an answer read from whatever line came last.
+
+Streaming the answer field with DSPy's ``streamify`` takes :class:`CompletionStreamListener` (DSPy's
+``StreamListener`` knows the marker formats of its own adapters only).
 
 Instruct pairs keep DSPy's standard adapters (``ChatAdapter``/``JSONAdapter``).
 """
@@ -18,11 +22,13 @@ Instruct pairs keep DSPy's standard adapters (``ChatAdapter``/``JSONAdapter``).
 from __future__ import annotations
 
 import re
+from queue import Queue
 from typing import Any
 
 import dspy
 from dspy.adapters.utils import parse_value
 from dspy.signatures.signature import Signature
+from dspy.streaming import StreamListener
 from dspy.utils.exceptions import AdapterParseError
 
 from ead_llm.core.validation import check_int
@@ -73,11 +79,15 @@ class CompletionAdapter(dspy.Adapter):
         """Split a completion into the output fields (see the module docstring)."""
         *earlier, final = signature.output_fields
         head, found, tail = completion.partition(self.answer_prefix)
-        if found:
-            answer = tail.splitlines()[0].strip() if tail.strip() else ""
-        else:
-            lines = [line.strip() for line in completion.splitlines() if line.strip()]
-            answer, head = (lines[-1], "\n".join(lines[:-1])) if lines else ("", "")
+        if not found:
+            raise AdapterParseError(
+                adapter_name=type(self).__name__,
+                signature=signature,
+                lm_response=completion,
+                message=f"no {self.answer_prefix.strip()!r} answer line for field {final!r} (was the output cut off "
+                "by max_tokens?)",
+            )
+        answer = tail.splitlines()[0].strip() if tail.strip() else ""
         annotation = signature.output_fields[final].annotation
         if annotation in (int, float) and (number := _NUMBER.search(answer)) is not None:
             answer = number.group(0)
@@ -93,3 +103,34 @@ class CompletionAdapter(dspy.Adapter):
         parsed: dict[str, Any] = {name: head.strip() for name in earlier}
         parsed[final] = value
         return parsed
+
+
+class CompletionStreamListener(StreamListener):
+    """``dspy.streaming.StreamListener`` for :class:`CompletionAdapter`: streams the answer field (the text
+    after the answer prefix, up to the end of its line). Other fields have no marker to find in the text."""
+
+    def receive(self, chunk: Any) -> Any:
+        adapter = dspy.settings.adapter
+        if isinstance(adapter, CompletionAdapter):
+            fields = list(self.predict.signature.output_fields) if self.predict is not None else []
+            if fields and self.signature_field_name != fields[-1]:
+                raise ValueError(
+                    f"CompletionAdapter streams only the answer field {fields[-1]!r}, not {self.signature_field_name!r}"
+                )
+            self.adapter_identifiers[type(adapter).__name__] = {
+                "start_identifier": adapter.answer_prefix,
+                "end_identifier": re.compile(r"\n"),
+                "start_indicator": adapter.answer_prefix[0],
+                "end_pattern_prefixes": [],
+                "end_pattern_contains": "\n",
+            }
+        return super().receive(chunk)
+
+    def flush(self) -> str:
+        """The tokens held back at the end of the stream, up to the end of the answer line."""
+        if not isinstance(dspy.settings.adapter, CompletionAdapter):
+            return super().flush()
+        queue: Queue[str] = self.field_end_queue
+        held = "".join(queue.queue)
+        self.field_end_queue: Queue[str] = Queue()
+        return held.split("\n", 1)[0]

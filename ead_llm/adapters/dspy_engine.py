@@ -10,14 +10,17 @@ samples, the same three every time.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dspy.clients.engines.base import validate_request
 from dspy.lm15 import (
+    ContextLengthError,
     Message,
     Response,
     StreamDeltaEvent,
@@ -32,27 +35,46 @@ from dspy.lm15 import Request as LMRequest
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.pair_model import iterate_in_thread
 from ead_llm.adapters.prompts import render
-from ead_llm.core.request import Request
+from ead_llm.core.request import PromptTooLongError, Request
 
 if TYPE_CHECKING:
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 
-_CANDIDATES: ContextVar[itertools.count[int] | None] = ContextVar("ead_llm_dspy_candidates", default=None)
+
+@dataclass
+class _Scope:
+    """The DSPy call in progress: its candidates so far, and its rollout id."""
+
+    candidates: itertools.count[int]
+    rollout: Any
+
+
+_SCOPE: ContextVar[_Scope | None] = ContextVar("ead_llm_dspy_call", default=None)
 
 
 @contextmanager
-def candidate_scope() -> Iterator[None]:
-    """Number the ``complete`` calls of one DSPy call: the k-th draws from random stream k."""
-    token = _CANDIDATES.set(itertools.count())
+def candidate_scope(rollout: Any = None) -> Iterator[None]:
+    """Number the ``complete`` calls of one DSPy call (the k-th draws from random stream k) and keep its
+    ``rollout_id`` (another rollout draws from other streams of the seed)."""
+    token = _SCOPE.set(_Scope(itertools.count(), rollout))
     try:
         yield
     finally:
-        _CANDIDATES.reset(token)
+        _SCOPE.reset(token)
 
 
-def _next_candidate() -> int | None:
-    counter = _CANDIDATES.get()
-    return None if counter is None else next(counter)
+def _next_candidate() -> tuple[int | None, Any]:
+    scope = _SCOPE.get()
+    return (None, None) if scope is None else (next(scope.candidates), scope.rollout)
+
+
+def rollout_seed(seed: int | None, rollout: Any) -> int | None:
+    """The seed of one rollout: ``seed`` itself without a rollout id, else one derived from both (stable
+    across processes); None (a fresh seed per call) stays None."""
+    if seed is None or rollout is None:
+        return seed
+    digest = hashlib.sha256(f"ead-llm-rollout/{seed}/{rollout!r}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def _text_of(parts: Any) -> str:
@@ -106,6 +128,15 @@ def _options(request: LMRequest) -> dict[str, Any]:
     return {k: v for k, v in options.items() if v is not None}
 
 
+@contextmanager
+def _context_length_errors() -> Iterator[None]:
+    """An overlong prompt as DSPy's error for it (ReAct and others catch it to shorten their history)."""
+    try:
+        yield
+    except PromptTooLongError as exc:
+        raise ContextLengthError(str(exc)) from exc
+
+
 class PairEngine:
     """Sync DSPy engine over the owner's shared engine (created per use; holds no state of its own)."""
 
@@ -122,7 +153,12 @@ class PairEngine:
         owner = self.owner
         prompt = render(owner.shared_engine.tokenizer, _messages(request), owner.model_type)
         stop = list(request.config.stop) or None
-        (engine_request,) = owner._requests([prompt], stop, _options(request), sample_index=_next_candidate())
+        candidate, rollout = _next_candidate()
+        options = _options(request)
+        seed = rollout_seed(options.get("seed", owner.seed), rollout)
+        if seed is not None:
+            options["seed"] = seed
+        (engine_request,) = owner._requests([prompt], stop, options, sample_index=candidate)
         return engine_request
 
     def _provider_data(self, cost: Cost, models: str) -> dict[str, Any]:
@@ -136,7 +172,8 @@ class PairEngine:
     def complete(self, request: LMRequest) -> Response:
         """Run one candidate to completion."""
         engine_request = self._request(request)
-        (completion,), cost = self.owner._run([engine_request])
+        with _context_length_errors():
+            (completion,), cost = self.owner._run([engine_request])
         return Response(
             id=None,
             model=request.model,
@@ -149,9 +186,11 @@ class PairEngine:
     def stream(self, request: LMRequest) -> Iterator[Any]:
         """lm15 stream events: start, one text delta per token, end with usage and the cost."""
         engine_request = self._request(request)
+        with _context_length_errors():
+            events = self.owner._stream_events(engine_request)
         yield StreamStartEvent(model=request.model)
         models = []
-        for event, cost in self.owner._stream_events(engine_request):
+        for event, cost in events:
             models.append(event.role.letter)
             if event.text:
                 yield StreamDeltaEvent(delta=TextDelta(text=event.text))

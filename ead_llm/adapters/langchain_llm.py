@@ -46,10 +46,12 @@ from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_
 from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
 from ead_llm.core.request import Completion
 from ead_llm.core.types import Role
-from ead_llm.policies.base import Policy, describe_policy, policy_from_description, policy_tag
+from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description, policy_tag
 
 logger = logging.getLogger(__name__)
 
+DSPY_OWN_OPTIONS = ("policy", "ignore_eos", "prompt_truncation")
+"""Per-call options DSPy's canonical request has no place for; the LM takes them itself."""
 _DSPY_CALL = BaseLM.__call__.__wrapped__
 _DSPY_ACALL = BaseLM.acall.__wrapped__
 _STATE_FIELDS = (
@@ -199,18 +201,40 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         return self.cache is not False
 
     def __call__(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
-        """DSPy call: ``lm("text")`` / ``lm(messages=[...])`` return a list of outputs."""
+        """DSPy call: ``lm("text")`` / ``lm(messages=[...])`` return a list of outputs. ead-llm's own per-call
+        options (``policy=``, ``ignore_eos=``, ``prompt_truncation=``) are taken here, before DSPy builds its
+        canonical request, by calling a copy that shares this object's history."""
+        own = {k: kwargs.pop(k) for k in DSPY_OWN_OPTIONS if k in kwargs}
+        if own:
+            return self._dspy_bound(own)(prompt, messages=messages, **kwargs)
         kwargs.setdefault("cache", self._dspy_cache())
         inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
-        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope(self._rollout(kwargs)):
             return finish(_DSPY_CALL(self, prompt, messages=messages, **kwargs))
 
     async def acall(self, prompt: Any = None, *, messages: Any = None, **kwargs: Any) -> Any:
         """Async DSPy call."""
+        own = {k: kwargs.pop(k) for k in DSPY_OWN_OPTIONS if k in kwargs}
+        if own:
+            return await self._dspy_bound(own).acall(prompt, messages=messages, **kwargs)
         kwargs.setdefault("cache", self._dspy_cache())
         inputs = {"prompt": prompt, "messages": messages, "kwargs": dict(kwargs)}
-        with _dspy_callbacks(self, inputs) as finish, candidate_scope():
+        with _dspy_callbacks(self, inputs) as finish, candidate_scope(self._rollout(kwargs)):
             return finish(await _DSPY_ACALL(self, prompt, messages=messages, **kwargs))
+
+    def _dspy_bound(self, options: dict[str, Any]) -> EntropyAdaptiveLLM:
+        """A copy with per-call options as its settings (``model``, DSPy's cache key, names the policy),
+        recording into this object's history."""
+        if "policy" in options:
+            check_policy(options["policy"])
+        bound = self.copy(**options)
+        bound._history = self._history
+        return bound
+
+    def _rollout(self, kwargs: dict[str, Any]) -> Any:
+        """DSPy's ``rollout_id`` of this call (``lm.copy(rollout_id=k)``, or passed per call): BestOfN, Refine
+        and BootstrapFewShot ask for distinct samples with it, so it picks the call's random streams."""
+        return kwargs.get("rollout_id", self._dspy_extra.get("rollout_id"))
 
     def copy(self, **kwargs: Any) -> EntropyAdaptiveLLM:
         """DSPy's copy: a new LM with updated settings, its own history, sharing the engine.

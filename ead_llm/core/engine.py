@@ -35,7 +35,7 @@ from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
 from ead_llm.core.ops import top_k_entropy_nats
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.rejection_sampler import VerifyBatch, verify
-from ead_llm.core.request import Completion, Prompt, Request, sequence_key
+from ead_llm.core.request import Completion, Prompt, PromptTooLongError, Request, sequence_key
 from ead_llm.core.sampler import Sampler, SamplingMetadata, stream_key
 from ead_llm.core.scheduler import DONE, WAKE, Call, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
@@ -234,7 +234,7 @@ class Engine:
         if limit is None or len(ids) < limit:
             return ids
         if request.sampling.prompt_truncation == "error":
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the models accept at most {limit} positions in all: "
                 "shorten the prompt, or pass prompt_truncation='left' to drop its oldest tokens"
             )

@@ -13,6 +13,11 @@ from ead_llm.core.validation import check_float, check_int, check_stop, check_te
 from ead_llm.policies.base import Policy, check_policy
 
 Prompt = str | Sequence[int]
+MAX_TEMPERATURE = 2.0
+
+
+class PromptTooLongError(ValueError):
+    """A prompt longer than the models' context (with ``prompt_truncation="error"``)."""
 
 
 @dataclass(frozen=True)
@@ -20,7 +25,8 @@ class SamplingParams:
     """How one request samples and when it stops."""
 
     temperature: float = 0.0
-    """0 is greedy; otherwise logits are divided by it before sampling."""
+    """0 is greedy; otherwise logits are divided by it before sampling. At most 2, the range OpenAI's API
+    and DSPy's canonical requests accept, so a setting means the same through every door."""
     top_p: float = 1.0
     """Nucleus mass in (0, 1]; 1 disables it."""
     top_k: int = 0
@@ -38,7 +44,7 @@ class SamplingParams:
     oldest tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
 
     def __post_init__(self) -> None:
-        check_float("temperature", self.temperature, minimum=0.0, maximum=100.0)
+        check_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
         check_float("top_p", self.top_p, minimum=0.0, maximum=1.0, exclusive_minimum=True)
         check_int("top_k", self.top_k, minimum=0)
         check_int("max_tokens", self.max_tokens, minimum=1)

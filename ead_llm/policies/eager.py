@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from ead_llm.core.request import SamplingParams
+from ead_llm.core.request import MAX_TEMPERATURE, SamplingParams
 from ead_llm.core.types import Action, Emit, Fork, Role
 from ead_llm.core.validation import check_float, check_int
 from ead_llm.evaluation.extract import EXTRACTORS
@@ -84,7 +84,7 @@ class EAGER(Policy):
         check_float("theta", self.theta, minimum=0.0, allow_inf=True)
         check_int("max_paths", self.max_paths, minimum=1)
         check_float("percentile", self.percentile, minimum=0.0, maximum=100.0)
-        check_float("temperature", self.temperature, minimum=0.0)
+        check_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
         check_policy(self.decoder, "decoder")
         if not isinstance(self.decoder.build_decoder(0, {}), SwitchingDecoder):
             raise ValueError(

@@ -40,7 +40,8 @@ def test_parse_reads_the_answer_line_and_the_work_before_it() -> None:
     cot = dspy.ChainOfThought(Solve).predict.signature
     assert adapter.parse(cot, "1+2\n=3\n#### 3\ntrailing") == {"reasoning": "1+2\n=3", "answer": 3}
     assert adapter.parse(Solve, "#### 12 apples") == {"answer": 12}  # first number, as extract_answer
-    assert adapter.parse(Solve, "work\n42\n") == {"answer": 42}  # no marker: the last line
+    with pytest.raises(AdapterParseError, match="no '####' answer line"):  # cut off: never an answer
+        adapter.parse(Solve, "work\n7-5-1=1\n")
     assert adapter.parse(Explain, "a\nb\n#### short") == {"notes": "a\nb", "summary": "short"}
     with pytest.raises(AdapterParseError, match="answer"):
         adapter.parse(Solve, "#### none here")

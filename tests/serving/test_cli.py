@@ -79,7 +79,7 @@ def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--temperature", "-1"], "temperature must be in [0.0, 100.0], got -1.0"),
+        (["--temperature", "-1"], "temperature must be in [0.0, 2.0], got -1.0"),
         (["--top-p", "2"], "top_p must be in (0.0, 1.0], got 2.0"),
         (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
         (["--top-k", "-3"], "top_k must be >= 0, got -3"),
