@@ -94,6 +94,18 @@ async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
             close()  # frees the engine and the sequence's caches when the consumer stops early
 
 
+TOOLS_MISSING = (
+    "ead-llm does not call tools yet (tool calling with grammar-constrained decoding across both models is "
+    "planned). Meanwhile run the tools yourself around invoke(), or give the agent a tool-calling model and use "
+    "ead-llm for its plain-text steps."
+)
+STRUCTURED_MISSING = (
+    "ead-llm has no structured output yet (it needs constrained decoding, planned with tool calling). Meanwhile "
+    "ask for the format in the prompt and parse the text with an output parser (PydanticOutputParser, "
+    "JsonOutputParser), or use a model that supports it."
+)
+
+
 class PairModel(BaseModel):
     """Which pair to run and how to decode; shared by the LangChain and DSPy adapters."""
 
@@ -279,6 +291,14 @@ class PairModel(BaseModel):
         if self.small is None:
             out["ead_llm_version"] = __version__
         return out
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        """Not supported yet; the error says what to do instead (LangChain's agents call this)."""
+        raise NotImplementedError(TOOLS_MISSING)
+
+    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
+        """Not supported yet; the error says what to do instead."""
+        raise NotImplementedError(STRUCTURED_MISSING)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` as the engine bills a prompt (special tokens such as BOS included)."""

@@ -1,0 +1,66 @@
+"""The pair inside LangGraph: token streaming in ``stream_mode="messages"``, and agents told what is missing."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import pytest
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
+from langchain_core.tools import tool
+from langgraph.graph import END, START, MessagesState, StateGraph
+from langgraph.prebuilt import create_react_agent
+
+from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM
+from ead_llm.evaluation.task import problems
+
+PROMPT = problems("test", 1)[0].prompt
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two numbers."""
+    return a + b
+
+
+def test_a_chat_node_streams_its_tokens_in_messages_mode() -> None:
+    chat = ChatEntropyAdaptive(max_tokens=200)
+
+    def solve(state: MessagesState) -> dict[str, list[AIMessage]]:
+        return {"messages": [chat.invoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState).add_node("solve", solve).add_edge(START, "solve").add_edge("solve", END).compile()
+    pieces = [
+        chunk
+        for chunk, meta in graph.stream({"messages": [HumanMessage(PROMPT)]}, stream_mode="messages")
+        if isinstance(chunk, AIMessageChunk) and meta["langgraph_node"] == "solve"
+    ]
+    text = chat.invoke([HumanMessage(PROMPT)]).content
+    assert len(pieces) > 10 and "".join(str(p.content) for p in pieces) == text  # token by token
+    assert pieces[-1].usage_metadata is not None and pieces[-1].response_metadata["cost"]["completion_tokens"] > 0
+
+
+def test_a_text_llm_node_runs_in_a_graph() -> None:
+    llm = EntropyAdaptiveLLM(max_tokens=200)
+
+    class State(TypedDict):
+        problem: str
+        work: str
+
+    graph = (
+        StateGraph(State)
+        .add_node("solve", lambda state: {"work": llm.invoke(state["problem"])})
+        .add_edge(START, "solve")
+        .add_edge("solve", END)
+        .compile()
+    )
+    updates = list(graph.stream({"problem": PROMPT, "work": ""}, stream_mode="updates"))
+    assert updates == [{"solve": {"work": llm.invoke(PROMPT)}}]
+
+
+@pytest.mark.parametrize("model", [ChatEntropyAdaptive, EntropyAdaptiveLLM])
+def test_agents_and_structured_output_say_what_is_missing(model: type) -> None:
+    instance = model(max_tokens=10)
+    with pytest.raises(NotImplementedError, match="does not call tools yet.*run the tools yourself"):
+        create_react_agent(instance, [add])
+    with pytest.raises(NotImplementedError, match="no structured output yet.*output parser"):
+        instance.with_structured_output(dict)
