@@ -60,7 +60,7 @@ def test_a_text_llm_node_runs_in_a_graph() -> None:
 @pytest.mark.parametrize("model", [ChatEntropyAdaptive, EntropyAdaptiveLLM])
 def test_agents_and_structured_output_say_what_is_missing(model: type) -> None:
     instance = model(max_tokens=10)
-    with pytest.raises(NotImplementedError, match="does not call tools yet.*run the tools yourself"):
+    with pytest.raises(NotImplementedError, match=r"does not call tools yet.*run the tools yourself"):
         create_react_agent(instance, [add])
-    with pytest.raises(NotImplementedError, match="no structured output yet.*output parser"):
+    with pytest.raises(NotImplementedError, match=r"no structured output yet.*output parser"):
         instance.with_structured_output(dict)
