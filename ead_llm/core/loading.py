@@ -182,11 +182,45 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> fr
 
 
 def _check_source(name: str, source: str) -> None:
-    """Refuse a local-looking path that does not exist (a Hub id has at most one slash)."""
+    """Refuse a local-looking path that does not exist (a Hub id has at most one slash; a GGUF file on
+    the Hub is ``org/repo/file.gguf``)."""
     if Path(source).expanduser().exists():
+        return
+    if source.endswith(GGUF_SUFFIX) and not source.startswith((".", "/", "~")) and source.count("/") == 2:
         return
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise ValueError(f"{name} model folder {source!r} does not exist")
+
+
+GGUF_SUFFIX = ".gguf"
+
+
+def split_gguf(source: str) -> tuple[str, dict[str, Any]]:
+    """``(folder or Hub id, extra from_pretrained arguments)`` of a source: a ``.gguf`` file (local, or
+    ``org/repo/file.gguf`` on the Hub) loads through transformers' GGUF support (``gguf_file=``)."""
+    if not source.endswith(GGUF_SUFFIX):
+        return source, {}
+    path = Path(source).expanduser()
+    if path.exists():
+        return str(path.parent), {"gguf_file": path.name}
+    repo, _, file = source.rpartition("/")
+    return repo, {"gguf_file": file}
+
+
+def _gguf_errors(name: str, source: str, error: Exception) -> Exception:
+    """What to do about transformers' refusals of a GGUF file, or ``error`` itself."""
+    text = str(error)
+    if isinstance(error, ImportError) or "requires both PyTorch and GGUF" in text or "accelerate" in text.lower():
+        return ImportError(
+            f"loading the {name} model from {source!r} needs transformers' GGUF support: "
+            f"pip install 'ead-llm[gguf]' (the gguf and accelerate packages) ({text})"
+        )
+    if "not supported" in text:
+        return ValueError(
+            f"the {name} model {source!r}: transformers cannot dequantize this GGUF file ({text}); "
+            "use the original checkpoint (a Hub id or a folder of safetensors) instead"
+        )
+    return error
 
 
 _TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EIO, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED}
@@ -236,19 +270,30 @@ def _from_pretrained(loader: Any, name: str, source: str, config: LoadConfig, **
         raise OSError(f"could not load the {name} model {source!r}: {err}") from err
 
 
+def _load(loader: Any, name: str, source: str, config: LoadConfig, **kwargs: Any) -> Any:
+    """A tokenizer or model from a Hub id, a folder or a GGUF file."""
+    location, gguf = split_gguf(source)
+    try:
+        return _from_pretrained(loader, name, location, config, **gguf, **kwargs)
+    except (ImportError, ValueError, OSError) as err:
+        if gguf:
+            raise _gguf_errors(name, source, err) from err
+        raise
+
+
 def load_pair(config: LoadConfig) -> ModelPair:
     """Load tokenizers and both models, check they share a vocabulary, and put them in eval mode."""
     _check_source("small", config.small)
     _check_source("large", config.large)
     hub = config.hub_kwargs()
-    tok_small = _from_pretrained(AutoTokenizer, "small", config.small, config, **hub)
-    tok_large = _from_pretrained(AutoTokenizer, "large", config.large, config, **hub)
+    tok_small = _load(AutoTokenizer, "small", config.small, config, **hub)
+    tok_large = _load(AutoTokenizer, "large", config.large, config, **hub)
     check_same_vocabulary(tok_small, tok_large)
     device = config.resolved_device()
     dtype = config.resolved_dtype()
     models = {}
     for role, source in ((Role.SMALL, config.small), (Role.LARGE, config.large)):
-        model = _from_pretrained(AutoModelForCausalLM, role.value, source, config, dtype=dtype, **hub)
+        model = _load(AutoModelForCausalLM, role.value, source, config, dtype=dtype, **hub)
         model.to(device)
         model.eval()
         models[role] = LoadedModel(role=role, model=model, info=describe_model(source, model))

