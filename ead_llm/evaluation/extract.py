@@ -90,6 +90,17 @@ EXTRACTORS: dict[str, Extract] = {
 }
 
 
+def contains_answer(text: str, answer: str) -> bool:
+    """Whether ``answer`` occurs in ``text`` as a whole word or phrase, ignoring case and runs of
+    whitespace (``"Tokyo"`` is in ``"The capital of Japan is Tokyo."``, ``"Rome"`` is not in
+    ``"Romeo"``). For short factual answers a model states inside a sentence."""
+    words = answer.split()
+    if not words:
+        return False
+    phrase = r"\s+".join(re.escape(word) for word in words)
+    return re.search(rf"(?<!\w){phrase}(?!\w)", text, flags=re.IGNORECASE) is not None
+
+
 def normalize(answer: str) -> str:
     """Canonical form for comparison: numbers by value (``1,000.0`` == ``1000``), other text stripped."""
     text = answer.strip()

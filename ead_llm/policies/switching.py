@@ -42,7 +42,7 @@ class EAD(Policy):
     next token comes from the large model if the window mean exceeds ``threshold`` and from the
     small model otherwise; before that the active model is kept.
 
-    Unpublished choices (ours): the sequence starts on ``start`` (small by default); the window
+    Unpublished choices (ours): the sequence starts on ``start_on`` (small by default); the window
     keeps its history across a switch unless ``reset_window_on_switch`` (with the default
     ``window <= min_dwell`` the choice cannot matter, because a decision only happens once the
     window holds tokens of the current model alone).

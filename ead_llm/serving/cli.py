@@ -12,7 +12,7 @@ from ead_llm.policies.speculative import EASD, SpeculativeDecoding
 from ead_llm.policies.switching import EAD
 
 POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
-EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact")
+EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact", "auto", "contains")
 
 
 def _policy(args: argparse.Namespace) -> Policy:
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=None,
-        help="EAD variants WINDOW:MIN_DWELL[:lookahead] (default: 5:10 1:1:lookahead)",
+        help="EAD variants WINDOW:MIN_DWELL[:lookahead][:large] (default: 5:10 1:1:lookahead; large: start on the large model)",
     )
     bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
     bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")

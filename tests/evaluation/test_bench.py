@@ -25,7 +25,7 @@ from ead_llm.evaluation.bench import (
     write_report,
 )
 from ead_llm.evaluation.bench.harness import fixed_block_for, planned_problems
-from ead_llm.evaluation.bench.tasks import EXTRACTORS, hash_split
+from ead_llm.evaluation.bench.tasks import EXTRACTORS, SCORERS, hash_split
 from ead_llm.evaluation.evaluate import run_policy
 from ead_llm.policies.controls import RandomSwitching
 from ead_llm.policies.switching import EAD
@@ -62,6 +62,19 @@ def test_normalize_and_score() -> None:
     assert set(EXTRACTORS) == {"auto", "hashes", "last_number", "first_line", "boxed", "choice", "exact"}
     with pytest.raises(ValueError, match="extractor must be one of"):
         BenchTask("t", (), (), "regex")
+
+
+def test_contains_scores_a_whole_word_or_phrase_anywhere() -> None:
+    task = BenchTask("t", (Example("p", "Tokyo"),), (Example("p", "Tokyo"),), "contains")
+    assert task.score("The capital of Japan is Tokyo.", "Tokyo")
+    assert task.score("TOKYO, of course", "tokyo")
+    assert task.score("It is New\n York City.", "New York")
+    assert not task.score("Kyoto", "Tokyo") and not task.score("Romeo", "Rome") and not task.score("", "Rome")
+    assert task.score("about 100 km", "100") and not task.score("1000 km", "100")
+    assert not task.score("anything", "   ")
+    # EAGER votes on the auto extraction, since ``contains`` needs the reference
+    assert task.extract("The answer is Tokyo.") == "the answer is tokyo"
+    assert "contains" in SCORERS
 
 
 def _write(path: Path, records: list[object]) -> Path:
@@ -231,8 +244,14 @@ def test_ead_variants_parse_and_validate() -> None:
     assert EADVariant.parse("5:10") == EADVariant(5, 10)
     assert EADVariant.parse("1:1:lookahead") == EADVariant(1, 1, lookahead=True)
     assert EADVariant(1, 1, lookahead=True).label(0.1) == "EAD+lookahead w1/d1 tau=0.1"
-    for bad in ("5", "5:x", "1:1:look", "1:2:3:4"):
+    assert EADVariant.parse("5:10:large") == EADVariant(5, 10, start_on="large")
+    assert EADVariant.parse("1:1:lookahead:large") == EADVariant(1, 1, lookahead=True, start_on="large")
+    assert EADVariant(5, 10, start_on="large").label(0.2) == "EAD w5/d10 start large tau=0.2"
+    assert EADVariant(5, 10, start_on="large").policy(0.2).start().active == "large"
+    for bad in ("5", "5:x", "1:1:look", "1:2:3:4", "1:1:large:large"):
         with pytest.raises(ValueError, match="EAD variant"):
             EADVariant.parse(bad)
     with pytest.raises(ValueError, match="window"):
         EADVariant(0, 1)
+    with pytest.raises(ValueError, match="start_on"):
+        EADVariant(5, 10, start_on="medium")

@@ -35,6 +35,18 @@ def test_the_cli_takes_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "Tokyo" in json.loads(capsys.readouterr().out)["text"]
 
 
+def test_the_server_serves_a_gguf_pair() -> None:
+    from fastapi.testclient import TestClient
+
+    from ead_llm.serving.server import create_app
+
+    gguf = str(smollm2.gguf_path())
+    llm = EntropyAdaptiveLLM(small=gguf, large=gguf, policy=LargeOnly(), max_tokens=4)
+    with TestClient(create_app(llm)) as client:
+        body = client.post("/v1/completions", json={"prompt": OPENING, "max_tokens": 4}).json()
+    assert "Tokyo" in body["choices"][0]["text"] and body["usage"]["completion_tokens"] >= 1
+
+
 def test_refusals_say_what_to_do() -> None:
     missing = _gguf_errors(
         "large",

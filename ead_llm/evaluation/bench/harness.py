@@ -47,33 +47,45 @@ class EADVariant:
     window: int = 5
     min_dwell: int = 10
     lookahead: bool = False
+    start_on: str = "small"
+    """The model that writes the first ``min_dwell`` tokens ("small" or "large")."""
 
     def __post_init__(self) -> None:
-        EAD(window=self.window, min_dwell=self.min_dwell, lookahead=self.lookahead)  # validates
+        self.policy(0.0)  # validates
 
     def policy(self, threshold: float) -> EAD:
-        return EAD(threshold=threshold, window=self.window, min_dwell=self.min_dwell, lookahead=self.lookahead)
+        return EAD(
+            threshold=threshold,
+            window=self.window,
+            min_dwell=self.min_dwell,
+            lookahead=self.lookahead,
+            start_on=self.start_on,  # type: ignore[arg-type]
+        )
 
     @property
     def name(self) -> str:
-        return f"EAD{'+lookahead' if self.lookahead else ''} w{self.window}/d{self.min_dwell}"
+        start = " start large" if self.start_on == "large" else ""
+        return f"EAD{'+lookahead' if self.lookahead else ''} w{self.window}/d{self.min_dwell}{start}"
 
     def label(self, threshold: float) -> str:
         return f"{self.name} tau={threshold:g}"
 
     @staticmethod
     def parse(text: str) -> EADVariant:
-        """``"5:10"`` or ``"1:1:lookahead"`` (window, min_dwell, optional lookahead)."""
+        """``"5:10"``, ``"1:1:lookahead"``, ``"5:10:large"`` (window, min_dwell, then optionally
+        ``lookahead`` and ``large``: start on the large model)."""
         parts = text.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "lookahead"):
+        flags = parts[2:]
+        if len(parts) < 2 or any(f not in ("lookahead", "large") for f in flags) or len(set(flags)) != len(flags):
             raise ValueError(
-                f"an EAD variant is WINDOW:MIN_DWELL[:lookahead], like 5:10 or 1:1:lookahead; got {text!r}"
+                "an EAD variant is WINDOW:MIN_DWELL[:lookahead][:large], like 5:10, 1:1:lookahead or "
+                f"5:10:large; got {text!r}"
             )
         try:
             window, dwell = int(parts[0]), int(parts[1])
         except ValueError:
             raise ValueError(f"an EAD variant's window and min_dwell are integers, got {text!r}") from None
-        return EADVariant(window, dwell, lookahead=len(parts) == 3)
+        return EADVariant(window, dwell, lookahead="lookahead" in flags, start_on="large" if "large" in flags else "small")
 
 
 PAPER_EAD = EADVariant(5, 10)

@@ -3,7 +3,8 @@
 A task is the embedded arithmetic task (default) or a JSONL file with one ``{"prompt": ...,
 "answer": ...}`` object per line (an optional ``"split": "dev" | "test"`` per line; lines without
 it are assigned by a hash of the prompt, ``dev_fraction`` of them to dev). An output is right when
-the extractor's answer equals the reference after :func:`normalize` (numbers compare by value).
+the extractor's answer equals the reference after :func:`normalize` (numbers compare by value), or,
+with the ``contains`` scorer, when the reference occurs in it as a whole word or phrase.
 """
 
 from __future__ import annotations
@@ -14,8 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.evaluation.extract import EXTRACTORS, normalize
+from ead_llm.evaluation.extract import EXTRACTORS, contains_answer, extract_final_answer, normalize
 from ead_llm.evaluation.task import problems
+
+
+CONTAINS = "contains"
+SCORERS: tuple[str, ...] = (*EXTRACTORS, CONTAINS)
+"""How a task scores an output: an extractor's answer equals the reference, or ``contains``."""
+
+
+def check_scorer(extractor: str) -> None:
+    if extractor not in SCORERS:
+        raise ValueError(f"extractor must be one of {', '.join(SCORERS)}; got {extractor!r}")
 
 
 @dataclass(frozen=True)
@@ -36,16 +47,19 @@ class BenchTask:
     extractor: str = "hashes"
 
     def __post_init__(self) -> None:
-        if self.extractor not in EXTRACTORS:
-            raise ValueError(f"extractor must be one of {sorted(EXTRACTORS)}, got {self.extractor!r}")
+        check_scorer(self.extractor)
 
     def extract(self, text: str) -> str | None:
-        """The normalized answer in an output, or None."""
+        """The normalized answer in an output, or None (EAGER's votes; ``contains`` votes on ``auto``)."""
+        if self.extractor == CONTAINS:
+            return extract_final_answer(text)
         found = EXTRACTORS[self.extractor](text)
         return None if found is None else normalize(found)
 
     def score(self, text: str, answer: str) -> bool:
         """Whether ``text`` states ``answer``."""
+        if self.extractor == CONTAINS:
+            return contains_answer(text, answer)
         found = self.extract(text)
         return found is not None and found == normalize(answer)
 
@@ -111,8 +125,7 @@ def load_jsonl_task(
     """A task from JSONL: dev problems from ``dev_path`` if given, else from lines marked
     ``"split": "dev"``, else a hash-chosen ``dev_fraction`` of the lines; the rest is test."""
     check_float("dev_fraction", dev_fraction, minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    if extractor not in EXTRACTORS:
-        raise ValueError(f"extractor must be one of {sorted(EXTRACTORS)}, got {extractor!r}")
+    check_scorer(extractor)
     records = _read_jsonl(Path(path))
     if dev_path is not None:
         dev = [example for example, _ in _read_jsonl(Path(dev_path))]
