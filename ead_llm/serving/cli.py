@@ -309,7 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         nargs="+",
         default=None,
-        help="EAD variants WINDOW:MIN_DWELL[:lookahead][:large] (default: 5:10 1:1:lookahead; large: start on the large model)",
+        help="EAD variants WINDOW:MIN_DWELL[:lookahead][:large] (default: 5:10 1:1:lookahead; "
+        "large: start on the large model)",
     )
     bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
     bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")

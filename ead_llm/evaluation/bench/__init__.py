@@ -24,7 +24,15 @@ from ead_llm.evaluation.bench.harness import (
     run_bench,
 )
 from ead_llm.evaluation.bench.report import pareto_frontier, render_table, write_report
-from ead_llm.evaluation.bench.tasks import EXTRACTORS, SCORERS, BenchTask, Example, embedded_task, load_jsonl_task, normalize
+from ead_llm.evaluation.bench.tasks import (
+    EXTRACTORS,
+    SCORERS,
+    BenchTask,
+    Example,
+    embedded_task,
+    load_jsonl_task,
+    normalize,
+)
 
 __all__ = [
     "EXTRACTORS",

@@ -85,7 +85,8 @@ class EADVariant:
             window, dwell = int(parts[0]), int(parts[1])
         except ValueError:
             raise ValueError(f"an EAD variant's window and min_dwell are integers, got {text!r}") from None
-        return EADVariant(window, dwell, lookahead="lookahead" in flags, start_on="large" if "large" in flags else "small")
+        start_on = "large" if "large" in flags else "small"
+        return EADVariant(window, dwell, lookahead="lookahead" in flags, start_on=start_on)
 
 
 PAPER_EAD = EADVariant(5, 10)

@@ -18,7 +18,6 @@ from ead_llm.core.validation import check_float, check_int
 from ead_llm.evaluation.extract import EXTRACTORS, contains_answer, extract_final_answer, normalize
 from ead_llm.evaluation.task import problems
 
-
 CONTAINS = "contains"
 SCORERS: tuple[str, ...] = (*EXTRACTORS, CONTAINS)
 """How a task scores an output: an extractor's answer equals the reference, or ``contains``."""
