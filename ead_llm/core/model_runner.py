@@ -189,15 +189,25 @@ class RunnerOutput:
 
 def check_full_attention(source: str, config: Any) -> None:
     """Refuse models with sliding-window or linear-attention layers: the paged cache keeps every
-    position and a row attends to all its earlier ones, which those layers must not."""
+    position and a row attends to all its earlier ones, which those layers must not. A model-wide
+    window at least ``max_position_embeddings`` long never slides (the engine keeps sequences within
+    it), so such a model runs as full attention (Phi-3 mini 128k, Phi-3.5 mini); hybrid models (layer
+    types other than full attention, as in Gemma 2/3) are refused whatever their window."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    limit = getattr(config, "max_position_embeddings", None)
+    slides = bool(window) and not (limit and window >= limit)
     kinds = set(getattr(config, "layer_types", None) or [])
-    if kinds - {"full_attention"}:
+    unsupported = kinds - {"full_attention"}
+    if unsupported:
         raise ValueError(
-            f"{source}: layers of kind {sorted(kinds - {'full_attention'})} are not supported "
+            f"{source}: layers of kind {sorted(unsupported)} are not supported "
             "(ead-llm's KV cache serves full-attention models only)"
         )
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        raise ValueError(f"{source}: sliding-window attention is not supported (ead-llm serves full-attention models)")
+    if slides:
+        raise ValueError(
+            f"{source}: sliding-window attention ({window} of {limit} positions) is not supported "
+            "(ead-llm serves full-attention models)"
+        )
 
 
 class ModelRunner:

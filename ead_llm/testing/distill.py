@@ -1,18 +1,20 @@
 """Distil SmolLM2-135M-Instruct's first layers into a draft that predicts like the whole model.
 
-    python -m ead_llm.testing.distill [--layers 8] [--minutes 45] [--threads 2] [--seed 0]
+    python -m ead_llm.testing.distill [--layers 8] [--minutes 45 | --steps N] [--threads 2] [--seed 0]
 
 1. The full model (30 layers) writes answers to a fixed, seeded set of chat questions through the
    engine (sampled at temperature 0.8, top-p 0.95, up to 96 tokens): the text a draft meets.
 2. The full model's next-token distributions on that text are kept (top 32 probabilities per position).
 3. The draft starts as the model's own first ``layers`` layers with its final norm and tied embeddings
    (LayerSkip-style early exit); its layers and final norm are trained (embeddings and head frozen) to
-   minimise the cross-entropy of the full model's distribution, for ``minutes`` on the CPU (AdamW, the
-   learning rate decaying on a cosine over the time budget).
+   minimise the cross-entropy of the full model's distribution, for ``minutes`` on the CPU or for
+   ``steps`` steps (AdamW, the learning rate decaying on a cosine over the budget).
 4. Top-1 agreement with the full model, before and after, is measured on held-out answers, and the
    draft is saved with a model card beside the converted model (:mod:`ead_llm.testing.smollm2`).
 
-Seeded: the same arguments give the same draft on the same machine.
+Seeded: the data and the order of the batches are fixed by ``--seed``. A time budget makes the number
+of steps depend on the machine's speed and load; ``--steps`` (the card records the steps a timed run
+took) gives the same draft on the same machine.
 """
 
 from __future__ import annotations
@@ -188,17 +190,25 @@ def agreement(model: torch.nn.Module, examples: list[Example]) -> float:
     return same / total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Build the draft; return its card."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=DRAFT_LAYERS)
     parser.add_argument("--minutes", type=float, default=45.0, help="training time (the data takes ~10 more)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="train exactly this many steps (overrides --minutes)")
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--questions", type=int, default=None, help="use only the first N questions (a quick check)")
     parser.add_argument("--out", default=None, help="folder to write (default: the cache's draft folder)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("layers", "threads", "batch", "steps", "questions"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name} must be at least 1, got {value}")
+    if args.minutes <= 0 or args.lr <= 0:
+        parser.error("--minutes and --lr must be positive")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     started = time.perf_counter()
@@ -210,8 +220,10 @@ def main() -> None:
     teach(teacher, examples)
     rng = random.Random(args.seed)
     rng.shuffle(examples)
-    held = examples[: len(examples) // 10]
-    train = examples[len(examples) // 10 :]
+    cut_at = max(1, len(examples) // 10)
+    held, train = examples[:cut_at], examples[cut_at:]
+    if not train:
+        parser.error("too few questions to hold some answers out and train on the rest: raise --questions")
     draft: Any = cut(teacher, args.layers)
     del teacher
     before = agreement(draft.eval(), held)
@@ -225,16 +237,22 @@ def main() -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0)
     groups = batches(train, args.batch)
     deadline = time.perf_counter() + args.minutes * 60
+
+    def progress() -> float:
+        if args.steps is not None:
+            return steps / args.steps
+        return 1.0 - (deadline - time.perf_counter()) / (args.minutes * 60)
+
     steps = tokens = 0
     draft.train()
-    while time.perf_counter() < deadline:
+    while progress() < 1.0:
         rng.shuffle(groups)
         for group in groups:
-            if time.perf_counter() >= deadline:
+            if progress() >= 1.0:
                 break
-            progress = 1.0 - (deadline - time.perf_counter()) / (args.minutes * 60)
+            done = progress()
             for setting in optimizer.param_groups:
-                setting["lr"] = args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+                setting["lr"] = args.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, done))))
             loss = loss_of(draft, group)
             optimizer.zero_grad()
             loss.backward()
@@ -243,7 +261,7 @@ def main() -> None:
             steps += 1
             tokens += sum(len(e.ids) - 1 - e.start for e in group)
             if steps % 50 == 0:
-                print(f"step {steps}: loss {float(loss):.3f} ({(time.perf_counter() - started) / 60:.1f} min)")
+                print(f"step {steps}: loss {float(loss.detach()):.3f} ({(time.perf_counter() - started) / 60:.1f} min)")
     draft.eval()
     for param in draft.parameters():
         param.requires_grad = False
@@ -265,7 +283,7 @@ def main() -> None:
         "batch": args.batch,
         "seed": args.seed,
         "threads": args.threads,
-        "minutes_training": args.minutes,
+        "budget": f"{args.steps} steps" if args.steps is not None else f"{args.minutes:g} minutes",
         "seconds_total": round(elapsed),
         "held_out_answers": len(held),
         "top1_agreement_before": round(before, 4),
@@ -282,6 +300,7 @@ def main() -> None:
         shutil.rmtree(target)
     partial.rename(target)
     print(json.dumps(card, indent=1))
+    return card
 
 
 if __name__ == "__main__":

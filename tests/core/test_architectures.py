@@ -35,6 +35,12 @@ RUNS: dict[str, tuple[str, str, dict[str, Any], bool]] = {
         {"num_key_value_heads": 4, "sliding_window": None, "pad_token_id": 0},
         False,
     ),
+    "phi3-long-window": (  # Phi-3 mini 128k: a window longer than the context never slides
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"num_key_value_heads": 4, "sliding_window": 512, "pad_token_id": 0},
+        False,
+    ),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_layer": 2, "n_head": 4}, False),
 }
 REFUSED: dict[str, tuple[str, str, dict[str, Any], str]] = {
