@@ -1,5 +1,5 @@
 """The draft distillation script, run for two steps on two questions: it trains the early-exit layers
-and norm (embeddings frozen), writes a loadable draft with its card, and is reproducible with --steps."""
+and norm (embeddings frozen), and writes a loadable draft with its card."""
 
 from __future__ import annotations
 
