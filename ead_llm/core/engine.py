@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
+from ead_llm.core.grammar import GrammarCompiler, apply_bitmask
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
@@ -167,6 +168,7 @@ class Engine:
         }
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
+        self._grammars: GrammarCompiler | None = None
         self.load_config: LoadConfig | None = None
         """Set by the registry: how to load this pair again (pickling an object that holds the engine
         stores this instead of the weights)."""
@@ -244,6 +246,13 @@ class Engine:
             return [ids[0], *ids[len(ids) - keep + 1 :]]
         return ids[len(ids) - keep :]
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar machinery (built on the first constrained request)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.pair.vocab_size, self.pair.eos_token_ids)
+        return self._grammars
+
     # -- callers ---------------------------------------------------------------------------------
 
     def _sequence(self, call: Call, index: int, request: Request) -> Seq:
@@ -274,6 +283,7 @@ class Engine:
             max_length=max_length,
             eos=self.pair.eos_token_ids,
             output=OutputProcessor(self.tokenizer, ids, params.stop) if text_here else None,
+            grammar=None if params.constraint is None else self.grammars.start(params.constraint, len(ids)),
         )
 
     def stream(self, requests: Sequence[Request], timeout_s: float | None = None) -> EventStream:
@@ -451,6 +461,7 @@ class Engine:
 
     def _sample(self, role: Role, seqs: list[Seq], out: RunnerOutput, rows: list[int], pending: _Pending) -> None:
         logits = out.last_rows(rows)  # [B, V]
+        self._constrain(logits, [seq.grammar for seq in seqs])
         meta = SamplingMetadata.build(
             [(seq.params.temperature, seq.params.top_k, seq.params.top_p, seq.key, len(seq.tokens)) for seq in seqs],
             logits.device,
@@ -489,6 +500,21 @@ class Engine:
 
         pending.add(columns, finish)
 
+    def _constrain(self, logits: torch.Tensor, grammars: list[Any]) -> None:
+        """Constrained rows of ``logits`` ``[N, V]`` lose the tokens their grammar forbids (in place), before
+        anything reads them: sampling, entropy (so EAD sees the uncertainty among allowed tokens) and drafts."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return
+        bitmask = self.grammars.masks([grammars[i] for i in rows])
+        if len(rows) == len(grammars):
+            apply_bitmask(logits, bitmask)
+        else:
+            index = torch.tensor(rows, device=logits.device)
+            part = logits.index_select(0, index)
+            apply_bitmask(part, bitmask)
+            logits.index_copy_(0, index, part)
+
     @staticmethod
     def _branch_entropy(logits: torch.Tensor, seqs: list[Seq]) -> torch.Tensor:
         """EAGER's entropy (nats over each row's top-k, as its decoder asks; rows that do not branch get 20)."""
@@ -505,6 +531,7 @@ class Engine:
         rounds = [seq.decoder.draft_round(seq) for seq in seqs]
         gamma = max(len(r.tokens) for r in rounds)
         target = out.padded_rows(rows, gamma + 1)  # [R, G+1, V]
+        self._constrain_rounds(target, seqs, rounds)
         vocab = target.shape[-1]
         device = target.device
         filler = torch.zeros(vocab, device=device)
@@ -562,6 +589,29 @@ class Engine:
             return results
 
         pending.add([verdict.accepted, verdict.token, verdict.entropy_rejection, verdict.target_entropy], finish)
+
+    def _constrain_rounds(self, target: torch.Tensor, seqs: list[Seq], rounds: list[Any]) -> None:
+        """The large model's logits ``[R, G+1, V]`` of constrained rounds under the masks their drafts were
+        drawn under (kept per position), and, after the drafts, the grammar's mask where it stands now."""
+        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
+        if not constrained:
+            return
+        width = target.shape[1]
+        now = self.grammars.masks([seqs[b].grammar for b in constrained])
+        words = now.shape[1]
+        bitmask = torch.full((len(constrained), width, words), -1, dtype=torch.int32)
+        for j, b in enumerate(constrained):
+            grammar, first, drafts = seqs[b].grammar, rounds[b].first_position, len(rounds[b].tokens)
+            for d in range(drafts):
+                kept = grammar.mask_at(first + d)
+                if kept is None:
+                    raise RuntimeError(f"no grammar mask kept for the draft at position {first + d}")
+                bitmask[j, d] = kept
+            bitmask[j, drafts:] = now[j]
+        index = torch.tensor(constrained, device=target.device)
+        part = target.index_select(0, index)
+        apply_bitmask(part.view(-1, target.shape[-1]), bitmask.view(-1, words))
+        target.index_copy_(0, index, part)
 
     # -- the one result type -----------------------------------------------------------------------
 

@@ -85,7 +85,8 @@ def forward_flops(
 
 
 def top_k_entropy_nats(logits: torch.Tensor, k: int = 20) -> torch.Tensor:
-    """Entropy in nats of the top-``k`` probabilities of ``softmax(logits)``, renormalised (EAGER's measure)."""
+    """Entropy in nats of the top-``k`` probabilities of ``softmax(logits)``, renormalised (EAGER's measure).
+    ``-inf`` logits (tokens a grammar forbids) count as probability 0."""
     top = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1).values
-    logp = torch.log_softmax(top, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    p = torch.softmax(top, dim=-1)
+    return -torch.special.xlogy(p, p).sum(dim=-1)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.core.types import FinishReason, Role
 from ead_llm.core.validation import check_float, check_int, check_stop, check_text
 from ead_llm.policies.base import Policy, check_policy
+
+if TYPE_CHECKING:
+    from ead_llm.core.grammar import Constraint
 
 Prompt = str | Sequence[int]
 MAX_TEMPERATURE = 2.0
@@ -42,6 +45,9 @@ class SamplingParams:
     prompt_truncation: Literal["error", "left"] = "error"
     """A prompt that does not fit the context: ``error`` (the default) refuses it; ``left`` drops its
     oldest tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
+    constraint: Constraint | None = None
+    """What every generated token must obey (:class:`ead_llm.core.grammar.Constraint`: a JSON schema, a
+    regex, a Lark grammar), whichever model writes it; None: free text."""
 
     def __post_init__(self) -> None:
         check_float("temperature", self.temperature, minimum=0.0, maximum=MAX_TEMPERATURE)
@@ -55,6 +61,16 @@ class SamplingParams:
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.prompt_truncation not in ("error", "left"):
             raise ValueError(f"prompt_truncation must be 'error' or 'left', got {self.prompt_truncation!r}")
+        if self.constraint is not None:
+            from ead_llm.core.grammar import Constraint
+
+            if not isinstance(self.constraint, Constraint):
+                raise ValueError(
+                    "constraint must be a Constraint (Constraint.json_schema(...), Constraint.regex(...)), "
+                    f"got {self.constraint!r}"
+                )
+            if self.ignore_eos:
+                raise ValueError("ignore_eos cannot be combined with a constraint: a finished grammar allows only EOS")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 import queue
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
 from ead_llm.core.output import OutputProcessor
@@ -22,6 +22,9 @@ from ead_llm.core.request import SamplingParams
 from ead_llm.core.sampler import fork_key
 from ead_llm.core.types import Action, Draft, Emit, FinishReason, Fork, ForwardWork, Role, Rollback, TokenEvent
 from ead_llm.policies.base import Decoder, Read
+
+if TYPE_CHECKING:
+    from ead_llm.core.grammar import SequenceGrammar
 
 DONE = object()
 """Put on a call's queue after its last event, once every path of every request has finished."""
@@ -70,6 +73,8 @@ class Sequence:
     admitted: int = 0
     """Admission order (the most recent is preempted first)."""
     branched_from: tuple[int, int] | None = None
+    grammar: SequenceGrammar | None = None
+    """Its constraint's state (follows ``tokens``), when the request has one."""
 
     @property
     def max_tokens(self) -> int:
@@ -163,6 +168,8 @@ class Scheduler:
         """Take ``seq``'s caches back; it waits at the head of the queue and is fed again when readmitted."""
         keep = seq.decoder.on_preempt(seq)
         del seq.tokens[keep:]
+        if seq.grammar is not None:
+            seq.grammar.rollback_to(keep)
         self._release(seq)
         self.running.remove(seq)
         self.waiting.appendleft(seq)
@@ -177,8 +184,12 @@ class Scheduler:
             if isinstance(action, Emit):
                 self._emit(seq, action.token, action.role, action.entropy, action.counters)
             elif isinstance(action, Draft):
+                if seq.grammar is not None:
+                    seq.grammar.accept(action.token, commit=False)
                 seq.tokens.append(action.token)
             elif isinstance(action, Rollback):
+                if seq.grammar is not None:
+                    seq.grammar.rollback_to(action.keep)
                 del seq.tokens[action.keep :]
                 for role, seen in action.seen:
                     self.caches[role].truncate(seq.kv[role], seen)
@@ -231,6 +242,8 @@ class Scheduler:
     def _emit(
         self, seq: Sequence, token: int, role: Role, entropy: float, counters: tuple[tuple[str, int], ...]
     ) -> None:
+        if seq.grammar is not None:
+            seq.grammar.accept(token, commit=True)
         seq.tokens.append(token)
         seq.generated += 1
         finish: FinishReason | None = None
@@ -286,6 +299,7 @@ class Scheduler:
             generated=parent.generated,
             admitted=parent.admitted,
             branched_from=(parent.path, parent.generated),
+            grammar=None if parent.grammar is None else parent.grammar.fork(),
         )
         call.open += 1
         self.running.append(child)

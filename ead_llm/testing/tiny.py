@@ -65,6 +65,45 @@ def byte_bpe_tokenizer(corpus: Iterable[str], vocab_size: int = 400) -> PreTrain
     )
 
 
+def widened_tokenizer(tokenizer: PreTrainedTokenizerFast, size: int, *, seed: int = 0) -> PreTrainedTokenizerFast:
+    """A byte-level BPE ``tokenizer`` grown to ``size`` ids by merges of pairs of its own word tokens
+    (seeded): a stand-in for a 150k vocabulary (Qwen2's 151,936) where only a smaller one is on disk.
+    The added tokens are real BPE merges, so text still encodes and decodes exactly."""
+    import json
+    import random
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    model = spec["model"]
+    if model.get("type") != "BPE":
+        raise ValueError("widened_tokenizer takes a BPE tokenizer")
+    vocab: dict[str, int] = model["vocab"]
+    taken = len(vocab) + len(spec.get("added_tokens", ()))
+    if size < taken:
+        raise ValueError(f"size must be at least the tokenizer's {taken} ids, got {size}")
+    words = [t for t in vocab if t.startswith("\u0120") and len(t) > 2]  # "Ġword": a word after a space
+    pieces = [t for t in vocab if t.isalpha()]
+    rng = random.Random(seed)
+    merges = list(model["merges"])
+    next_id = max([*vocab.values(), *(t["id"] for t in spec.get("added_tokens", ()))]) + 1
+    while next_id < size:
+        left, right = rng.choice(words), rng.choice(pieces)
+        if left + right in vocab:
+            continue
+        vocab[left + right] = next_id
+        merges.append([left, right] if isinstance(merges[0], list) else f"{left} {right}")
+        next_id += 1
+    model["merges"] = merges
+    core = Tokenizer.from_str(json.dumps(spec))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+        unk_token=tokenizer.unk_token,
+        pad_token=tokenizer.pad_token,
+        clean_up_tokenization_spaces=False,
+    )
+
+
 def big_vocab_tokenizer(size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer with ``size`` tokens ``t0 .. t{size-1}`` (the engine detokenizes with it)."""
     core = Tokenizer(models.WordLevel({f"t{i}": i for i in range(size)}, unk_token="t3"))
