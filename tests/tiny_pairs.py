@@ -30,5 +30,5 @@ def chat_pair() -> tuple[str, str]:
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
     tokenizer.chat_template = CHAT_TEMPLATE
-    small, large = build_tiny_pair(folder, family="gpt2", tokenizer=tokenizer, seed=5)
+    small, large = build_tiny_pair(folder, family="gpt2", tokenizer=tokenizer, seed=5, max_positions=2048)
     return str(small), str(large)

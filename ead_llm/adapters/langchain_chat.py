@@ -3,18 +3,24 @@
 Messages become the prompt through the tokenizer's chat template, or a plain ``Role: text``
 fallback when it has none (see :mod:`ead_llm.adapters.prompts`); on the embedded pair the default format is
 ``text`` (a single human message is passed through unchanged). Usage is on ``usage_metadata``; the
-cost dict in ``response_metadata["cost"]``. Tool calling, structured output and non-text content
-are not supported.
+cost dict in ``response_metadata["cost"]``.
+
+Tools (``bind_tools``) and structured output (``with_structured_output``) run on the engine's
+grammar-constrained decoding (:mod:`ead_llm.core.grammar`, :mod:`ead_llm.adapters.tool_calls`): a
+required or named tool, a JSON schema or JSON mode constrain every token, whichever model writes it.
+Content other than text is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams
+from langchain_core.language_models.base import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -23,19 +29,38 @@ from langchain_core.messages import (
     ChatMessage,
     HumanMessage,
     SystemMessage,
+    ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.pair_model import PairModel, iterate_in_thread
 from ead_llm.adapters.prompts import render
+from ead_llm.adapters.structured import check_method, is_pydantic, json_schema_of, structured, text_parser
+from ead_llm.adapters.tool_calls import (
+    CallSplitter,
+    ToolCall,
+    check_tools,
+    chosen_tools,
+    parse_tool_calls,
+    parse_with_template,
+    tool_constraint,
+)
+from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Prompt
 from ead_llm.policies.base import describe_policy
 
 
 def _text(message: BaseMessage) -> str:
+    """The text of a message; tool-call blocks in its content (Anthropic's ``tool_use``, LangChain's
+    ``tool_call``) are skipped, since the message's ``tool_calls`` carry them."""
     content = message.content
     if isinstance(content, str):
         return content
@@ -45,31 +70,61 @@ def _text(message: BaseMessage) -> str:
             parts.append(block)
         elif isinstance(block, dict) and block.get("type") == "text":
             parts.append(str(block.get("text", "")))
+        elif (
+            isinstance(block, dict)
+            and block.get("type") in ("tool_use", "tool_call")
+            and isinstance(message, AIMessage)
+        ):
+            continue
         else:
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
             raise ValueError(f"ChatEntropyAdaptive reads text only; got a {kind!r} content block")
     return "".join(parts)
 
 
-def message_turns(messages: list[BaseMessage]) -> list[tuple[str, str]]:
-    """``(role, text)`` turns of LangChain messages (system, human, AI, or chat messages with those roles)."""
-    turns = []
+def message_dicts(messages: list[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as chat-format dicts: system, human, AI (with its tool calls), tool replies, or
+    chat messages with those roles."""
+    out: list[dict[str, Any]] = []
     for message in messages:
         if isinstance(message, SystemMessage):
-            role = "system"
+            out.append({"role": "system", "content": _text(message)})
         elif isinstance(message, HumanMessage):
-            role = "user"
+            out.append({"role": "user", "content": _text(message)})
         elif isinstance(message, AIMessage):
-            role = "assistant"
-        elif isinstance(message, ChatMessage) and message.role in ("system", "user", "assistant"):
-            role = message.role
+            item: dict[str, Any] = {"role": "assistant", "content": _text(message)}
+            if message.tool_calls:
+                item["tool_calls"] = [
+                    {"name": c["name"], "arguments": c["args"], "id": c.get("id")} for c in message.tool_calls
+                ]
+            out.append(item)
+        elif isinstance(message, ToolMessage):
+            out.append(
+                {"role": "tool", "content": _text(message), "tool_call_id": message.tool_call_id, "name": message.name}
+            )
+        elif isinstance(message, ChatMessage) and message.role in ("system", "user", "assistant", "tool"):
+            out.append({"role": message.role, "content": _text(message)})
         else:
             raise ValueError(
-                f"ChatEntropyAdaptive takes system, human and AI messages; got {type(message).__name__} "
-                "(tool calling is not supported)"
+                f"ChatEntropyAdaptive takes system, human, AI and tool messages; got {type(message).__name__}"
             )
-        turns.append((role, _text(message)))
-    return turns
+    return out
+
+
+def _lc_call(call: ToolCall) -> Any:
+    return tool_call(name=call.name, args=call.arguments, id=call.id)
+
+
+def _lc_chunk(call: ToolCall, index: int) -> Any:
+    return tool_call_chunk(name=call.name, args=json.dumps(call.arguments, ensure_ascii=False), id=call.id, index=index)
+
+
+def _tool_spec(tool: Any) -> dict[str, Any]:
+    """An OpenAI function spec of a LangChain tool, a function, a pydantic model, a TypedDict or a dict."""
+    return convert_to_openai_tool(tool)
+
+
+ToolChoice = Literal["auto", "none", "required", "any"] | str | dict[str, Any] | bool | None
 
 
 def _usage(cost: Cost) -> UsageMetadata:
@@ -108,8 +163,92 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
             params["ls_stop"] = list(stop or self.stop or [])
         return params
 
-    def _prompt(self, messages: list[BaseMessage]) -> Prompt:
-        return render(self.shared_engine.tokenizer, message_turns(messages), self.resolved_prompt_format)
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: ToolChoice = None,
+        parallel_tool_calls: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """This model offering ``tools`` (LangChain tools, functions, pydantic models, TypedDicts or OpenAI
+        specs). ``tool_choice``: ``auto`` (default: free text, calls parsed), ``none``, ``required``/``any``
+        (one or more calls), or a tool's name (exactly that call); the last two are enforced by the grammar.
+        ``parallel_tool_calls=False`` allows one call at most."""
+        specs = check_tools([_tool_spec(t) for t in tools])
+        chosen_tools(specs, tool_choice)  # refuse a bad choice now, not at the first call
+        bound: dict[str, Any] = {"tools": specs, **kwargs}
+        if tool_choice is not None:
+            bound["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            bound["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**bound)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Answers parsed into ``schema`` (a pydantic class, a TypedDict, a JSON schema or an OpenAI tool
+        spec). ``json_schema`` (default) constrains the answer to the schema; ``function_calling`` forces a
+        call of a tool named after it; ``json_mode`` constrains it to any JSON object. ``include_raw``
+        returns ``{"raw", "parsed", "parsing_error"}``. ``strict`` is accepted for compatibility (the
+        grammar is always strict)."""
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        check_method(method)
+        trace = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
+        llm: Runnable
+        parser: Runnable
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **trace)
+            parser = (
+                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
+                if is_pydantic(schema)
+                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
+            )
+        elif method == "json_schema":
+            llm, parser = self.bind(json_schema=json_schema_of(schema), **trace), text_parser(schema)
+        else:
+            llm, parser = self.bind(grammar=Constraint.json_object(), **trace), text_parser(schema)
+        return structured(llm, parser, include_raw)
+
+    def _tools(self, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, Constraint | None]:
+        """Pops the tool options from ``kwargs``: the tools offered, the mode, and the grammar it imposes."""
+        specs = check_tools(kwargs.pop("tools", None) or [])
+        choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", None)
+        if not specs:
+            if choice not in (None, "auto", "none"):
+                raise ValueError(f"tool_choice={choice!r} needs tools: bind_tools(tools, tool_choice=...)")
+            return [], "none", None
+        offered, mode = chosen_tools(specs, choice)
+        constraint = tool_constraint(offered, mode, parallel=parallel is not False)
+        if constraint is not None and any(kwargs.get(name) is not None for name in ("json_schema", "regex", "grammar")):
+            raise ValueError("a required or named tool already constrains the answer: drop json_schema/regex/grammar")
+        if constraint is not None:
+            kwargs["grammar"] = constraint
+        return offered, mode, constraint
+
+    def _prompt(self, messages: list[BaseMessage], tools: list[dict[str, Any]] | None = None) -> Prompt:
+        return render(self.shared_engine.tokenizer, message_dicts(messages), self.resolved_prompt_format, tools)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        return prompt if isinstance(prompt, str) else str(self.shared_engine.tokenizer.decode(list(prompt)))
+
+    def _split_calls(
+        self, text: str, prompt: Prompt, tools: list[dict[str, Any]]
+    ) -> tuple[str, list[ToolCall], list[str]]:
+        prefix = self._prompt_text(prompt)
+        native = parse_with_template(self.shared_engine.tokenizer, text, prefix, tools, salt=prefix)
+        if native is not None:
+            return native[0], native[1], []
+        return parse_tool_calls(text, salt=prefix)
 
     def _generate(
         self,
@@ -118,16 +257,27 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        requests = self._requests([self._prompt(messages)], stop, kwargs)
+        tools, mode, _ = self._tools(kwargs)
+        prompt = self._prompt(messages, tools)
+        requests = self._requests([prompt], stop, kwargs)
         (completion,), cost = self._run(requests)
+        content, calls, invalid = completion.text, list[ToolCall](), list[str]()
+        if mode != "none":
+            content, calls, invalid = self._split_calls(completion.text, prompt, tools)
         metadata = {
-            "finish_reason": completion.finish_reason.value,
+            "finish_reason": "tool_calls" if calls else completion.finish_reason.value,
             "model_name": self.pair_name,
             "cost": cost.to_dict(),
             "models": "".join(r.letter for r in completion.roles),
             "policy": describe_policy(requests[0].policy),
         }
-        message = AIMessage(content=completion.text, usage_metadata=_usage(cost), response_metadata=metadata)
+        message = AIMessage(
+            content=content,
+            tool_calls=[_lc_call(c) for c in calls],
+            invalid_tool_calls=[invalid_tool_call(args=block, error="not a JSON tool call") for block in invalid],
+            usage_metadata=_usage(cost),
+            response_metadata=metadata,
+        )
         return ChatResult(
             generations=[ChatGeneration(message=message, generation_info={"finish_reason": metadata["finish_reason"]})],
             llm_output={"token_usage": dict(_usage(cost)), "cost": cost.to_dict(), "model_name": self.pair_name},
@@ -149,16 +299,32 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        (request,) = self._requests([self._prompt(messages)], stop, kwargs)
+        tools, mode, _ = self._tools(kwargs)
+        prompt = self._prompt(messages, tools)
+        (request,) = self._requests([prompt], stop, kwargs)
+        splitter = None
+        if mode != "none":
+            splitter = CallSplitter(salt=self._prompt_text(prompt))
+        made = 0
         for event, cost in self._stream_events(request):
+            last = cost is not None and event.finish_reason is not None
+            text, calls = (event.text, []) if splitter is None else splitter.push(event.text, last=last)
+            chunks = [_lc_chunk(c, made + i) for i, c in enumerate(calls)]
+            made += len(calls)
             metadata: dict[str, Any] = {"models": event.role.letter}
-            if cost is not None and event.finish_reason is not None:
-                metadata.update(finish_reason=event.finish_reason.value, model_name=self.pair_name, cost=cost.to_dict())
+            if last:
+                assert cost is not None and event.finish_reason is not None
+                finish = "tool_calls" if made else event.finish_reason.value
+                metadata.update(finish_reason=finish, model_name=self.pair_name, cost=cost.to_dict())
                 message = AIMessageChunk(
-                    content=event.text, usage_metadata=_usage(cost), response_metadata=metadata, chunk_position="last"
+                    content=text,
+                    tool_call_chunks=chunks,
+                    usage_metadata=_usage(cost),
+                    response_metadata=metadata,
+                    chunk_position="last",
                 )
             else:
-                message = AIMessageChunk(content=event.text, response_metadata=metadata)
+                message = AIMessageChunk(content=text, tool_call_chunks=chunks, response_metadata=metadata)
             chunk = ChatGenerationChunk(message=message)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)

@@ -44,6 +44,8 @@ from pydantic import ConfigDict, PrivateAttr
 from ead_llm.accounting.ledger import Cost, Pricing
 from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
 from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
+from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser
+from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Completion
 from ead_llm.core.types import Role
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description, policy_tag
@@ -330,6 +332,28 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         params["ls_provider"] = "ead-llm"
         params["ls_model_name"] = self.pair_name
         return params
+
+    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
+        """Tool calling needs messages: use ``ChatEntropyAdaptive`` (same engine, same settings)."""
+        raise NotImplementedError(
+            "EntropyAdaptiveLLM is a completion model and takes no tools: use ChatEntropyAdaptive(...).bind_tools(...) "
+            "(the same pair and engine), or constrain the text with json_schema=/regex=/grammar="
+        )
+
+    def with_structured_output(
+        self, schema: dict[str, Any] | type, *, method: str = "json_schema", include_raw: bool = False, **kwargs: Any
+    ) -> Any:
+        """Completions constrained to ``schema`` (a pydantic class, TypedDict or JSON schema; ``json_mode``:
+        any JSON object) and parsed into it. ``include_raw`` returns ``{"raw", "parsed", "parsing_error"}``."""
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        check_method(method, ("json_schema", "json_mode"))
+        bound = (
+            self.bind(json_schema=json_schema_of(schema))
+            if method == "json_schema"
+            else self.bind(grammar=Constraint.json_object())
+        )
+        return structured(bound, text_parser(schema), include_raw)
 
     def _bound(self, options: dict[str, Any]) -> EntropyAdaptiveLLM:
         """This object with per-call options applied (so LangChain's cache key sees them). Nothing is

@@ -23,6 +23,7 @@ from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.accounting.tracking import report
 from ead_llm.adapters.prompts import PromptFormat
 from ead_llm.core.engine import Engine
+from ead_llm.core.grammar import Constraint, schema_of
 from ead_llm.core.loading import LoadConfig
 from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
@@ -32,8 +33,21 @@ from ead_llm.embedded import embedded_pair, recommended_threshold
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description
 from ead_llm.policies.switching import EAD
 
-CALL_OPTIONS = ("policy", "temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "prompt_truncation")
+CALL_OPTIONS = (
+    "policy",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_tokens",
+    "seed",
+    "ignore_eos",
+    "prompt_truncation",
+    "json_schema",
+    "regex",
+    "grammar",
+)
 """Settings a single call may override (``llm.invoke(x, policy=SmallOnly())`` or ``llm.bind(...)``)."""
+CONSTRAINT_OPTIONS = ("json_schema", "regex", "grammar")
 
 EMBEDDED_NAME = "embedded"
 LOAD_FIELDS = (
@@ -61,6 +75,9 @@ IDENTITY_FIELDS = (
     "prompt_format",
     "dtype",
     "revision",
+    "json_schema",
+    "regex",
+    "grammar",
 )
 """Fields that decide the text (with the policy): what a cache key and ``asdict()`` hold."""
 DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
@@ -94,18 +111,6 @@ async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
             close()  # frees the engine and the sequence's caches when the consumer stops early
 
 
-TOOLS_MISSING = (
-    "ead-llm does not call tools yet (tool calling with grammar-constrained decoding across both models is "
-    "planned). Meanwhile run the tools yourself around invoke(), or give the agent a tool-calling model and use "
-    "ead-llm for its plain-text steps."
-)
-STRUCTURED_MISSING = (
-    "ead-llm has no structured output yet (it needs constrained decoding, planned with tool calling). Meanwhile "
-    "ask for the format in the prompt and parse the text with an output parser (PydanticOutputParser, "
-    "JsonOutputParser), or use a model that supports it."
-)
-
-
 class PairModel(BaseModel):
     """Which pair to run and how to decode; shared by the LangChain and DSPy adapters."""
 
@@ -135,6 +140,13 @@ class PairModel(BaseModel):
     prompt_truncation: Literal["error", "left"] = "error"
     """A prompt longer than the context: ``error`` refuses it (ValueError); ``left`` drops its oldest
     tokens (keeping a leading BOS) so that it and ``max_tokens`` fit."""
+    json_schema: Any = None
+    """Constrain every completion to one JSON value valid under this schema (a dict, JSON text, a pydantic
+    model or a TypedDict), whichever model writes each token. Usually passed per call."""
+    regex: str | None = None
+    """Constrain every completion to match this regular expression in full."""
+    grammar: Any = None
+    """Constrain every completion to this Lark grammar (llguidance's dialect), or to a ``Constraint``."""
     timeout: float | None = None
     """Seconds one call may take; past it the call raises ``TimeoutError`` and frees its caches."""
     max_retries: int = 2
@@ -249,6 +261,23 @@ class PairModel(BaseModel):
 
     # -- per-call settings ------------------------------------------------------------------------
 
+    def _constraint(self, options: dict[str, Any]) -> Constraint | None:
+        """The call's constraint: at most one of ``json_schema``, ``regex``, ``grammar`` (call or default)."""
+        given = {name: options.get(name, getattr(self, name)) for name in CONSTRAINT_OPTIONS}
+        given = {name: value for name, value in given.items() if value is not None}
+        if len(given) > 1:
+            raise ValueError(f"pass at most one of json_schema, regex and grammar; got {sorted(given)}")
+        if not given:
+            return None
+        ((name, value),) = given.items()
+        if isinstance(value, Constraint):
+            return value
+        if name == "json_schema":
+            return Constraint.json_schema(value)
+        if name == "regex":
+            return Constraint.regex(value)
+        return Constraint.lark(value)
+
     def _sampling(self, options: dict[str, Any], stop: Sequence[str] | None) -> SamplingParams:
         return SamplingParams(
             temperature=options.get("temperature", self.temperature),
@@ -259,6 +288,7 @@ class PairModel(BaseModel):
             seed=options.get("seed", self.seed),
             ignore_eos=options.get("ignore_eos", self.ignore_eos),
             prompt_truncation=options.get("prompt_truncation", self.prompt_truncation),
+            constraint=self._constraint(options),
         )
 
     @staticmethod
@@ -286,19 +316,17 @@ class PairModel(BaseModel):
         parameters and ``asdict()`` (so ``type(llm)(**llm.asdict())`` rebuilds it). The pair is named as
         given (never by an install's absolute path); the embedded pair by the package version that ships it."""
         out: dict[str, Any] = {name: getattr(self, name) for name in IDENTITY_FIELDS}
+        for name in CONSTRAINT_OPTIONS:
+            value = out[name]
+            if isinstance(value, Constraint):
+                out[name] = value.describe()
+            elif isinstance(value, type):
+                out[name] = schema_of(value)
         policy = self.policy  # a per-call option is checked inside the run, so it may not be a policy yet
         out["policy"] = describe_policy(policy) if isinstance(policy, Policy) else repr(policy)
         if self.small is None:
             out["ead_llm_version"] = __version__
         return out
-
-    def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
-        """Not supported yet; the error says what to do instead (LangChain's agents call this)."""
-        raise NotImplementedError(TOOLS_MISSING)
-
-    def with_structured_output(self, schema: Any, **kwargs: Any) -> Any:
-        """Not supported yet; the error says what to do instead."""
-        raise NotImplementedError(STRUCTURED_MISSING)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` as the engine bills a prompt (special tokens such as BOS included)."""

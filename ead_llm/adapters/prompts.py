@@ -6,12 +6,20 @@ Two formats, chosen per object (``prompt_format``):
   without one gets :data:`FALLBACK_TEMPLATE`'s plain ``Role: text`` turns ending in ``Assistant:``.
 - ``text``: a completion model's raw prompt: the messages' texts joined by a blank line, nothing
   added (a single user message is passed through exactly). The embedded pair uses this.
+
+Messages are ``(role, text)`` pairs or dicts in Hugging Face's chat format, which may carry tool calls
+(``{"role": "assistant", "content": ..., "tool_calls": [{"name", "arguments", "id"}]}``) and tool
+replies (``{"role": "tool", "content": ..., "tool_call_id": ...}``). With ``tools=`` (OpenAI function
+specs) a template that renders tools gets them, and the calls and replies, natively; any other
+template (or format) gets them as text in the Hermes format (:mod:`ead_llm.adapters.tool_calls`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from transformers import PreTrainedTokenizerBase
 
@@ -19,24 +27,98 @@ from ead_llm.core.request import Prompt
 from ead_llm.core.validation import check_text
 
 PromptFormat = Literal["chat", "text"]
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+Message = tuple[str, str] | dict[str, Any]
 FALLBACK_TEMPLATE = "{Role}: {content}\n\n"
 """One turn of the fallback chat format; the prompt ends with ``Assistant:``."""
 
 
-def check_messages(messages: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """``(role, text)`` pairs with known roles and string texts, at least one of them."""
+def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """Messages as dicts (``role``, ``content``, and ``tool_calls``/``tool_call_id`` where given), checked:
+    known roles, string texts, at least one message."""
     out = []
     for item in messages:
-        role, text = item
+        message = dict(item) if isinstance(item, dict) else {"role": item[0], "content": item[1]}
+        role, text = message.get("role"), message.get("content")
         if role not in ROLES:
             raise ValueError(f"message role must be one of {ROLES}, got {role!r}")
+        if text is None and message.get("tool_calls"):
+            text = ""
         if not isinstance(text, str):
             raise ValueError(f"message text must be a string, got {type(text).__name__}")
-        out.append((role, check_text("message text", text)))
+        message["content"] = check_text("message text", text)
+        for call in message.get("tool_calls") or ():
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                raise ValueError(f"a tool call needs a name and arguments, got {call!r}")
+        out.append(message)
     if not out:
         raise ValueError("a conversation needs at least one message")
     return out
+
+
+_NATIVE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+_PROBE = {"type": "function", "function": {"name": "ead_llm_probe_tool", "parameters": {"type": "object"}}}
+
+
+def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template writes the ``tools=`` it is given."""
+    if not has_chat_template(tokenizer):
+        return False
+    try:
+        return _NATIVE[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], tools=[_PROBE], tokenize=False)
+        native = "ead_llm_probe_tool" in str(text)
+    except Exception:
+        native = False
+    with contextlib.suppress(TypeError):  # a tokenizer that takes no weak reference is probed each time
+        _NATIVE[tokenizer] = native
+    return native
+
+
+def _uses_tools(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> bool:
+    return bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages in the shape chat templates expect for tool calls (``function`` with dict arguments)."""
+    out = []
+    for m in messages:
+        message = {"role": m["role"], "content": m["content"]}
+        if m.get("tool_calls"):
+            message["tool_calls"] = [
+                {"id": c.get("id"), "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in m["tool_calls"]
+            ]
+        if m["role"] == "tool":
+            message["tool_call_id"] = m.get("tool_call_id")
+            if m.get("name"):
+                message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def plain_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[tuple[str, str]]:
+    """``(role, text)`` turns with tools, calls and replies written as text (Hermes format)."""
+    from ead_llm.adapters.tool_calls import assistant_text, tool_result_text, tools_instruction
+
+    turns = []
+    for m in messages:
+        if m["role"] == "tool":
+            turns.append(("user", tool_result_text(m["content"])))
+        elif m.get("tool_calls"):
+            turns.append((m["role"], assistant_text(m["content"], m["tool_calls"])))
+        else:
+            turns.append((m["role"], m["content"]))
+    if tools:
+        instruction = tools_instruction(list(tools))
+        if turns and turns[0][0] == "system":
+            turns[0] = ("system", f"{turns[0][1]}\n\n{instruction}")
+        else:
+            turns.insert(0, ("system", instruction))
+    return turns
 
 
 def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -49,15 +131,32 @@ def fallback_chat_text(messages: Sequence[tuple[str, str]]) -> str:
     return turns + "Assistant:"
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]], fmt: PromptFormat) -> Prompt:
-    """The prompt (text, or token ids from a chat template) for ``messages`` in format ``fmt``."""
-    messages = check_messages(messages)
-    if fmt == "text":
-        return "\n\n".join(text for _, text in messages)
-    if fmt != "chat":
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    fmt: PromptFormat,
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> Prompt:
+    """The prompt (text, or token ids from a chat template) for ``messages`` in format ``fmt``, offering
+    ``tools`` (OpenAI function specs) when given."""
+    checked = check_messages(messages)
+    if fmt not in ("chat", "text"):
         raise ValueError(f"prompt_format must be 'chat' or 'text', got {fmt!r}")
+    with_tools = _uses_tools(checked, tools)
+    if fmt == "chat" and with_tools and renders_tools(tokenizer):
+        ids = tokenizer.apply_chat_template(
+            native_messages(checked),
+            tools=list(tools or []) or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        return [int(t) for t in ids]  # type: ignore[arg-type]
+    turns = plain_messages(checked, tools) if with_tools else [(m["role"], m["content"]) for m in checked]
+    if fmt == "text":
+        return "\n\n".join(text for _, text in turns)
     if not has_chat_template(tokenizer):
-        return fallback_chat_text(messages)
-    conversation = [{"role": role, "content": text} for role, text in messages]
+        return fallback_chat_text(turns)
+    conversation = [{"role": role, "content": text} for role, text in turns]
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
     return [int(t) for t in ids]  # type: ignore[arg-type]

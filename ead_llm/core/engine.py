@@ -33,7 +33,7 @@ from ead_llm.core.grammar import GrammarCompiler, apply_bitmask
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
-from ead_llm.core.ops import top_k_entropy_nats
+from ead_llm.core.ops import entropy_bits, top_k_entropy_nats
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.rejection_sampler import VerifyBatch, verify
 from ead_llm.core.request import Completion, Prompt, PromptTooLongError, Request, sequence_key
@@ -169,6 +169,9 @@ class Engine:
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         self._grammars: GrammarCompiler | None = None
+        self.entropy_after_mask = True
+        """Constrained rows report (and EAD decides on) the entropy of their masked logits; False: of the
+        raw logits (measured against the default in ``benchmarks/constrained.py``)."""
         self.load_config: LoadConfig | None = None
         """Set by the registry: how to load this pair again (pickling an object that holds the engine
         stores this instead of the weights)."""
@@ -461,13 +464,15 @@ class Engine:
 
     def _sample(self, role: Role, seqs: list[Seq], out: RunnerOutput, rows: list[int], pending: _Pending) -> None:
         logits = out.last_rows(rows)  # [B, V]
-        self._constrain(logits, [seq.grammar for seq in seqs])
+        grammars = [seq.grammar for seq in seqs]
+        raw = entropy_bits(logits) if not self.entropy_after_mask and any(grammars) else None
+        self._constrain(logits, grammars)
         meta = SamplingMetadata.build(
             [(seq.params.temperature, seq.params.top_k, seq.params.top_p, seq.key, len(seq.tokens)) for seq in seqs],
             logits.device,
         )
         sampled = self.sampler(logits, meta)
-        columns = [sampled.tokens, sampled.entropy_bits]
+        columns = [sampled.tokens, sampled.entropy_bits if raw is None else raw]
         if sampled.missed is not None:
             columns.append(sampled.missed)
         stats = [seq.decoder.branch_stats for seq in seqs]
@@ -593,15 +598,16 @@ class Engine:
     def _constrain_rounds(self, target: torch.Tensor, seqs: list[Seq], rounds: list[Any]) -> None:
         """The large model's logits ``[R, G+1, V]`` of constrained rounds under the masks their drafts were
         drawn under (kept per position), and, after the drafts, the grammar's mask where it stands now."""
-        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
+        grammars = {b: seq.grammar for b, seq in enumerate(seqs) if seq.grammar is not None}
+        constrained = list(grammars)
         if not constrained:
             return
         width = target.shape[1]
-        now = self.grammars.masks([seqs[b].grammar for b in constrained])
+        now = self.grammars.masks(list(grammars.values()))
         words = now.shape[1]
         bitmask = torch.full((len(constrained), width, words), -1, dtype=torch.int32)
         for j, b in enumerate(constrained):
-            grammar, first, drafts = seqs[b].grammar, rounds[b].first_position, len(rounds[b].tokens)
+            grammar, first, drafts = grammars[b], rounds[b].first_position, len(rounds[b].tokens)
             for d in range(drafts):
                 kept = grammar.mask_at(first + d)
                 if kept is None:

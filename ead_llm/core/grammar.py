@@ -71,6 +71,22 @@ def schema_of(value: Any) -> dict[str, Any]:
     raise ValueError(f"json_schema must be a dict, a JSON string, a pydantic model or a TypedDict, got {value!r}")
 
 
+def closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that lists properties and
+    does not set it (recursively, through ``$defs``, items, anyOf and the like)."""
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: closed(value) if key not in ("const", "enum", "default", "examples") else value
+        for key, value in schema.items()
+    }
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True)
 class Constraint:
     """What every generated token must obey (checked when built: a bad grammar raises ``ValueError``).
@@ -106,9 +122,12 @@ class Constraint:
         object.__setattr__(self, "grammar", grammar)
 
     @classmethod
-    def json_schema(cls, schema: Any) -> Constraint:
-        """Output is one JSON value valid under ``schema`` (a dict, JSON text, pydantic model or TypedDict)."""
-        return cls("json_schema", json.dumps(schema_of(schema), separators=(",", ":")))
+    def json_schema(cls, schema: Any, *, strict: bool = True) -> Constraint:
+        """Output is one JSON value valid under ``schema`` (a dict, JSON text, pydantic model or TypedDict).
+        ``strict`` (as OpenAI's strict mode): objects that do not say otherwise take no properties beyond
+        those listed, so the model cannot wander into keys nobody asked for."""
+        schema = schema_of(schema)
+        return cls("json_schema", json.dumps(closed(schema) if strict else schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -176,7 +195,7 @@ class GrammarCompiler:
         self.words = mask_words(vocab_size)
         self.eos = eos_token_ids
         eos = sorted(eos_token_ids) or None
-        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)  # type: ignore[arg-type]
         self._executor = llguidance.LLExecutor()
         self._matcher = llguidance.LLMatcher
 

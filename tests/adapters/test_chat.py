@@ -38,7 +38,7 @@ def test_chat_format_uses_the_template_or_the_fallback(tokenizer) -> None:
 @pytest.mark.parametrize(
     ("turns", "fmt", "match"),
     [
-        ([("tool", "x")], "chat", "role"),
+        ([("robot", "x")], "chat", "role"),
         ([("user", 3)], "chat", "string"),
         ([], "chat", "at least one"),
         ([("user", "x")], "markdown", "prompt_format"),

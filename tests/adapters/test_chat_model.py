@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.messages import AIMessage, FunctionMessage, HumanMessage, SystemMessage
 
 from ead_llm import EAD, ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly
 from ead_llm.adapters.prompts import fallback_chat_text
@@ -57,8 +57,8 @@ def test_embedded_pair_passes_a_message_through_unchanged() -> None:
 def test_policy_override_and_refusals(fallback_chat) -> None:
     reply = fallback_chat.invoke("12+35=", policy=LargeOnly())
     assert set(reply.response_metadata["models"]) == {"L"}
-    with pytest.raises(ValueError, match="tool calling is not supported"):
-        fallback_chat.invoke([HumanMessage("x"), ToolMessage("3", tool_call_id="1")])
+    with pytest.raises(ValueError, match="system, human, AI and tool messages"):
+        fallback_chat.invoke([HumanMessage("x"), FunctionMessage("3", name="f")])
     with pytest.raises(ValueError, match="text only"):
         fallback_chat.invoke([HumanMessage([{"type": "image", "url": "https://x/y.png"}])])
     with pytest.raises(ValueError, match="policy must be a policy object"):

@@ -1,4 +1,4 @@
-"""The pair inside LangGraph: token streaming in ``stream_mode="messages"``, and agents told what is missing."""
+"""The pair inside LangGraph: token streaming in ``stream_mode="messages"``, and agents on the chat model."""
 
 from __future__ import annotations
 
@@ -57,10 +57,11 @@ def test_a_text_llm_node_runs_in_a_graph() -> None:
     assert updates == [{"solve": {"work": llm.invoke(PROMPT)}}]
 
 
-@pytest.mark.parametrize("model", [ChatEntropyAdaptive, EntropyAdaptiveLLM])
-def test_agents_and_structured_output_say_what_is_missing(model: type) -> None:
-    instance = model(max_tokens=10)
-    with pytest.raises(NotImplementedError, match=r"does not call tools yet.*run the tools yourself"):
-        create_react_agent(instance, [add])
-    with pytest.raises(NotImplementedError, match=r"no structured output yet.*output parser"):
-        instance.with_structured_output(dict)
+def test_the_text_llm_sends_agents_to_the_chat_model() -> None:
+    with pytest.raises(NotImplementedError, match=r"completion model.*ChatEntropyAdaptive"):
+        create_react_agent(EntropyAdaptiveLLM(max_tokens=10), [add])
+
+
+def test_a_react_agent_builds_on_the_chat_model() -> None:
+    agent = create_react_agent(ChatEntropyAdaptive(max_tokens=10), [add])
+    assert "tools" in agent.get_graph().nodes
