@@ -5,8 +5,15 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``
 each response (and in the last streamed chunk, or a usage chunk when ``stream_options.include_usage``)
 holds OpenAI's three token counts plus the whole cost dict. The policy is the server's unless a
 request names one in an extra ``policy`` field (``{"policy": "large_only"}``, or ``{"policy":
-"ead", "threshold": 0.1}``: the fields of ``describe_policy``). Unsupported features (tools,
-logprobs, JSON mode) are refused with a 400 that names them.
+"ead", "threshold": 0.1}``: the fields of ``describe_policy``).
+
+Chat completions take ``tools``, ``tool_choice`` (``auto``, ``none``, ``required``, a named function)
+and ``parallel_tool_calls``, and answer with ``tool_calls`` (streamed as ``delta.tool_calls``, one
+whole call per delta); ``response_format`` ``json_object`` and ``json_schema`` constrain the answer.
+A required or named tool and a response format are enforced by the engine's grammar, whichever
+model writes each token (:mod:`ead_llm.adapters.tool_calls`). A streamed completion keeps one ``id``
+across its chunks. Unsupported features (legacy ``functions``, logprobs, ``logit_bias``, ``suffix``)
+are refused with a 400 that names them.
 """
 
 from __future__ import annotations
@@ -25,12 +32,21 @@ from pydantic import BaseModel, ConfigDict, Field
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 from ead_llm.adapters.prompts import render
+from ead_llm.adapters.tool_calls import (
+    CallSplitter,
+    ToolCall,
+    check_tools,
+    chosen_tools,
+    parse_tool_calls,
+    tool_constraint,
+)
+from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Prompt
 from ead_llm.core.request import Request as EngineRequest
 from ead_llm.core.types import TokenEvent
 from ead_llm.policies.base import Policy, policy_from_description
 
-UNSUPPORTED = ("tools", "functions", "tool_choice", "function_call", "response_format", "logit_bias", "suffix")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
 
 class _Body(BaseModel):
@@ -62,12 +78,19 @@ class CompletionBody(_Body):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ServerError(ValueError):
@@ -98,6 +121,42 @@ def _text(content: str | list[dict[str, Any]] | None) -> str:
             )
         parts.append(str(part.get("text", "")))
     return "".join(parts)
+
+
+def _call_of(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``tool_calls`` item of a request's assistant message, as the prompt renderer takes it."""
+    function = call.get("function") or {}
+    arguments = function.get("arguments", "{}")
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        raise ServerError(f"tool call arguments must be JSON, got {arguments!r}", param="messages") from None
+    if not isinstance(function.get("name"), str):
+        raise ServerError(f"a tool call needs function.name, got {call!r}", param="messages")
+    return {"name": function["name"], "arguments": parsed, "id": call.get("id")}
+
+
+def _response_format(value: dict[str, Any] | None) -> Constraint | None:
+    """The constraint of OpenAI's ``response_format``: ``text`` (none), ``json_object``, ``json_schema``."""
+    if value is None or value.get("type") in (None, "text"):
+        return None
+    if value.get("type") == "json_object":
+        return Constraint.json_object()
+    if value.get("type") == "json_schema":
+        spec = value.get("json_schema") or {}
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise ServerError(
+                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
+            )
+        try:
+            return Constraint.json_schema(schema, strict=bool(spec.get("strict", True)))
+        except ValueError as exc:
+            raise ServerError(f"response_format: {exc}", param="response_format") from exc
+    raise ServerError(
+        f"response_format type must be 'text', 'json_object' or 'json_schema', got {value.get('type')!r}",
+        param="response_format",
+    )
 
 
 class Server:
@@ -145,9 +204,13 @@ class Server:
         except (TypeError, ValueError) as exc:
             raise ServerError(f"policy: {exc}", param="policy") from exc
 
-    def _requests(self, prompts: list[Prompt], body: _Body) -> list[EngineRequest]:
+    def _requests(
+        self, prompts: list[Prompt], body: _Body, constraint: Constraint | None = None
+    ) -> list[EngineRequest]:
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         options = self._options(body)
+        if constraint is not None:
+            options["grammar"] = constraint
         requests = []
         for prompt in prompts:
             for k in range(body.n):
@@ -155,9 +218,38 @@ class Server:
                 requests.append(request)
         return requests
 
-    def _chat_prompt(self, body: ChatBody) -> Prompt:
-        turns = [("system" if m.role == "developer" else m.role, _text(m.content)) for m in body.messages]
-        return render(self.llm.shared_engine.tokenizer, turns, self.llm.resolved_prompt_format)
+    def _chat_prompt(self, body: ChatBody, tools: list[dict[str, Any]]) -> Prompt:
+        messages = []
+        for m in body.messages:
+            message: dict[str, Any] = {
+                "role": "system" if m.role == "developer" else m.role,
+                "content": _text(m.content),
+            }
+            if m.tool_calls:
+                message["tool_calls"] = [_call_of(c) for c in m.tool_calls]
+            if m.role == "tool":
+                message["tool_call_id"], message["name"] = m.tool_call_id, m.name
+            messages.append(message)
+        return render(self.llm.shared_engine.tokenizer, messages, self.llm.resolved_prompt_format, tools)
+
+    @staticmethod
+    def _tools(body: ChatBody) -> tuple[list[dict[str, Any]], str, Constraint | None]:
+        """The tools offered, the tool mode, and the constraint (a forced tool, or the response format)."""
+        try:
+            specs = check_tools(body.tools or [])
+            if not specs and body.tool_choice not in (None, "auto", "none"):
+                raise ValueError(f"tool_choice {body.tool_choice!r} needs tools")
+            offered, mode = chosen_tools(specs, body.tool_choice) if specs else ([], "none")
+        except ValueError as exc:
+            raise ServerError(str(exc), param="tools" if "tool_choice" not in str(exc) else "tool_choice") from exc
+        constraint = tool_constraint(offered, mode, parallel=body.parallel_tool_calls is not False)
+        response = _response_format(body.response_format)
+        if constraint is not None and response is not None:
+            raise ServerError(
+                "a required or named tool and a response_format cannot both constrain one answer",
+                param="response_format",
+            )
+        return offered, mode, constraint or response
 
     # -- responses --------------------------------------------------------------------------------
 
@@ -185,27 +277,34 @@ class Server:
 
     def chat(self, body: ChatBody) -> dict[str, Any] | Iterator[str]:
         self._check(body)
-        requests = self._requests([self._chat_prompt(body)], body)
+        tools, mode, constraint = self._tools(body)
+        prompt = self._chat_prompt(body, tools)
+        requests = self._requests([prompt], body, constraint)
+        salt = prompt if isinstance(prompt, str) else str(self.llm.shared_engine.tokenizer.decode(list(prompt)))
         if body.stream:
             if len(requests) != 1:
                 raise ServerError("streaming takes n=1", param="stream")
-            return self._stream("chat.completion.chunk", requests[0], body)
+            splitter = CallSplitter(salt=f"{salt}|0") if mode != "none" else None
+            return self._chunks("chat.completion.chunk", self.llm._stream_events(requests[0]), body, splitter)
         completions, total = self.llm._run(requests)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "finish_reason": c.finish_reason.value,
-                "logprobs": None,
-            }
-            for c in completions
-        ]
+        choices = []
+        for c in completions:
+            content, calls = c.text, list[ToolCall]()
+            if mode != "none":
+                content, calls, _ = parse_tool_calls(c.text, salt=f"{salt}|{c.index}")
+            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+            finish = "tool_calls" if calls else c.finish_reason.value
+            choices.append({"index": c.index, "message": message, "finish_reason": finish, "logprobs": None})
         return self._envelope("chat.completion", choices, total)
 
-    def _envelope(self, kind: str, choices: list[dict[str, Any]], cost: Cost | None) -> dict[str, Any]:
+    def _envelope(
+        self, kind: str, choices: list[dict[str, Any]], cost: Cost | None, completion_id: str | None = None
+    ) -> dict[str, Any]:
         prefix = "cmpl" if kind.startswith("text") else "chatcmpl"
         out: dict[str, Any] = {
-            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "id": completion_id or f"{prefix}-{uuid.uuid4().hex}",
             "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
@@ -222,27 +321,42 @@ class Server:
         gets an error status, not a stream that breaks off)."""
         return self._chunks(kind, self.llm._stream_events(request), body)
 
-    def _chunks(self, kind: str, events: Iterator[tuple[TokenEvent, Cost | None]], body: _Body) -> Iterator[str]:
+    def _chunks(
+        self,
+        kind: str,
+        events: Iterator[tuple[TokenEvent, Cost | None]],
+        body: _Body,
+        splitter: CallSplitter | None = None,
+    ) -> Iterator[str]:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         chat = kind.startswith("chat")
-        first = True
+        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # one id for all the chunks
+        first, calls_made = True, 0
         for event, cost in events:
             finish = None if event.finish_reason is None else event.finish_reason.value
             if chat:
-                delta: dict[str, Any] = {"content": event.text}
+                text, calls = (
+                    (event.text, []) if splitter is None else splitter.push(event.text, last=finish is not None)
+                )
+                delta: dict[str, Any] = {"content": text}
                 if first:
                     delta["role"] = "assistant"
+                if calls:
+                    delta["tool_calls"] = [{"index": calls_made + i, **c.openai()} for i, c in enumerate(calls)]
+                    calls_made += len(calls)
+                if finish is not None and calls_made:
+                    finish = "tool_calls"
                 choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
             first = False
-            chunk = self._envelope(kind, [choice], None)
+            chunk = self._envelope(kind, [choice], None, completion_id)
             chunk["ead_model"] = event.role.letter
             if cost is not None and not include_usage:
                 chunk["usage"] = _usage(cost)
             yield f"data: {json.dumps(chunk)}\n\n"
             if cost is not None and include_usage:
-                yield f"data: {json.dumps(self._envelope(kind, [], cost))}\n\n"
+                yield f"data: {json.dumps(self._envelope(kind, [], cost, completion_id))}\n\n"
         yield "data: [DONE]\n\n"
 
 

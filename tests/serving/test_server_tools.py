@@ -1,0 +1,175 @@
+"""The server's tools, tool_choice and response_format, spoken to by the official ``openai`` client and by
+LangChain's ``ChatOpenAI(...).bind_tools(...)`` over real HTTP (a tiny random pair: forced calls and
+formats parse because the grammar enforces them)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from ead_llm import EntropyAdaptiveLLM
+from ead_llm.serving.server import create_app
+from tests.adapters.test_tools import pair
+
+MODEL = "tiny"
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two small integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}}, "required": ["city"]},
+    },
+}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"enum": ["Ada", "Alan"]}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+}
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    small, large = pair()
+    llm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=80)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, MODEL), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_the_openai_client_gets_a_required_tool_call(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is 2 + 3?"}],
+        tools=[ADD, WEATHER],
+        tool_choice="required",
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in ("add", "weather") and call.id.startswith("call_")
+        assert set(arguments) == ({"a", "b"} if call.function.name == "add" else {"city"})
+    assert choice.message.tool_calls and reply.usage.completion_tokens > 0
+
+
+def test_a_named_tool_round_trips_with_its_reply(client: openai.OpenAI) -> None:
+    messages: list = [{"role": "user", "content": "Weather in Lima?"}]
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[ADD, WEATHER],
+        tool_choice={"type": "function", "function": {"name": "weather"}},
+    )
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Lima")
+    messages += [
+        reply.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+    ]
+    follow = client.chat.completions.create(model=MODEL, messages=messages, tools=[ADD, WEATHER], tool_choice="none")
+    assert follow.choices[0].message.tool_calls is None and follow.choices[0].finish_reason in ("stop", "length")
+
+
+def test_streamed_tool_calls_arrive_as_deltas_under_one_id(client: openai.OpenAI) -> None:
+    kwargs = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "2+3?"}],
+        "tools": [ADD],
+        "tool_choice": "required",
+    }
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert len({c.id for c in chunks}) == 1
+    streamed = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls or []
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (t.function.name, t.function.arguments) for t in whole
+    ]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_response_format_json_schema_and_json_object(client: openai.OpenAI, strict: bool) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A person."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}},
+    )
+    person = json.loads(reply.choices[0].message.content or "")
+    assert person["name"] in ("Ada", "Alan") and 0 <= person["age"] <= 99
+    obj = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "{}"}],
+        response_format={"type": "json_object"},
+        max_tokens=60,
+    )
+    text = obj.choices[0].message.content or ""
+    assert text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":  # any object: a random model may still be inside it at the limit
+        assert isinstance(json.loads(text), dict)
+
+
+def test_langchain_chat_openai_binds_tools_against_it(url: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=f"{url}/v1", api_key="unused", temperature=0, max_retries=0)
+    message = chat.bind_tools([ADD, WEATHER], tool_choice="add").invoke("What is 2 + 3?")
+    assert [c["name"] for c in message.tool_calls] == ["add"]
+    assert set(message.tool_calls[0]["args"]) == {"a", "b"}
+    streamed = None
+    for chunk in chat.bind_tools([ADD], tool_choice="add").stream("What is 2 + 3?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ({"tools": [{"x": 1}]}, "each tool must be"),
+        ({"tools": [ADD], "tool_choice": "subtract"}, "tool_choice"),
+        ({"tool_choice": "required"}, "needs tools"),
+        ({"response_format": {"type": "yaml"}}, "response_format type"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema must be"),
+        ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+    ],
+)
+def test_bad_tool_requests_get_a_400_that_names_the_field(url: str, payload: dict, needle: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **payload}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
