@@ -16,6 +16,8 @@ _WHERE = {
     "ChatEntropyAdaptive": "ead_llm.adapters.langchain_chat",
     "CompletionAdapter": "ead_llm.adapters.dspy_adapter",
     "CompletionStreamListener": "ead_llm.adapters.dspy_adapter",
+    "StrictJSONAdapter": "ead_llm.adapters.dspy_adapter",
+    "Constraint": "ead_llm.core.grammar",
     "EntropyAdaptiveLLM": "ead_llm.adapters.langchain_llm",
     "Cost": "ead_llm.accounting.ledger",
     "Pricing": "ead_llm.accounting.ledger",
@@ -51,6 +53,7 @@ __all__ = [
     "Completion",
     "CompletionAdapter",
     "CompletionStreamListener",
+    "Constraint",
     "Cost",
     "CostTracker",
     "Engine",
@@ -69,6 +72,7 @@ __all__ = [
     "SamplingParams",
     "SmallOnly",
     "SpeculativeDecoding",
+    "StrictJSONAdapter",
     "TokenEvent",
     "load_pair",
     "track_cost",
@@ -92,10 +96,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from ead_llm.accounting.ledger import Cost, Pricing
     from ead_llm.accounting.tracking import CostTracker, track_cost
-    from ead_llm.adapters.dspy_adapter import CompletionAdapter, CompletionStreamListener
+    from ead_llm.adapters.dspy_adapter import CompletionAdapter, CompletionStreamListener, StrictJSONAdapter
     from ead_llm.adapters.langchain_chat import ChatEntropyAdaptive
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
     from ead_llm.core.engine import Engine
+    from ead_llm.core.grammar import Constraint
     from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
     from ead_llm.core.request import Completion, Request, SamplingParams
     from ead_llm.core.types import FinishReason, Role, TokenEvent

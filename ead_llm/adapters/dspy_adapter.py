@@ -16,7 +16,10 @@ format instead:
 Streaming the answer field with DSPy's ``streamify`` takes :class:`CompletionStreamListener` (DSPy's
 ``StreamListener`` knows the marker formats of its own adapters only).
 
-Instruct pairs keep DSPy's standard adapters (``ChatAdapter``/``JSONAdapter``).
+Instruct pairs keep DSPy's standard adapters (``ChatAdapter``/``JSONAdapter``); with ``JSONAdapter`` the
+engine enforces the JSON schema DSPy sends. :class:`StrictJSONAdapter` sends one for every signature,
+also where ``JSONAdapter`` falls back to "any JSON object" (a ``dict`` output such as ReAct's
+``next_tool_args``), so the keys, their order and any ``Literal`` (ReAct's tool names) are enforced too.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from queue import Queue
 from typing import Any
 
 import dspy
+import pydantic
 from dspy.adapters.utils import parse_value
 from dspy.signatures.signature import Signature
 from dspy.streaming import StreamListener
@@ -134,3 +138,20 @@ class CompletionStreamListener(StreamListener):
         held = "".join(queue.queue)
         self.field_end_queue: Queue[str] = Queue()
         return held.split("\n", 1)[0]
+
+
+class StrictJSONAdapter(dspy.JSONAdapter):
+    """DSPy's ``JSONAdapter`` that always asks for the signature's full JSON schema (``dict`` fields as free
+    objects, the rest exact, no other keys), which an ead-llm pair enforces token by token: the answer
+    always has every output field, and a ``Literal`` field (ReAct's ``next_tool_name``) one of its values."""
+
+    def _prepare_response_format(self, lm: Any, lm_kwargs: dict[str, Any], signature: type[Signature]) -> None:
+        if "response_format" not in lm.supported_params:
+            return super()._prepare_response_format(lm, lm_kwargs, signature)
+        fields: dict[str, Any] = {name: (field.annotation, ...) for name, field in signature.output_fields.items()}
+        model = pydantic.create_model("Outputs", __config__=pydantic.ConfigDict(extra="forbid"), **fields)
+        lm_kwargs["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "outputs", "schema": model.model_json_schema(), "strict": True},
+        }
+        return None

@@ -2,7 +2,8 @@
 
 This is DSPy 3.4's supported route for a custom LM (``dspy.LM(model, engine=..., async_engine=...)``).
 DSPy owns the cache, history, usage tracking and the ``n`` candidates (one ``complete`` per
-candidate); this engine turns one canonical request into one engine call. Candidate ``k`` of a DSPy
+candidate); this engine turns one canonical request into one engine call (a ``response_format``, as DSPy's
+JSONAdapter sends, becomes a grammar constraint: the JSON always parses). Candidate ``k`` of a DSPy
 call draws from the seed's random stream ``k``, so ``n=3`` at a temperature gives three different
 samples, the same three every time.
 """
@@ -35,6 +36,7 @@ from dspy.lm15 import Request as LMRequest
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.pair_model import iterate_in_thread
 from ead_llm.adapters.prompts import render
+from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import PromptTooLongError, Request
 
 if TYPE_CHECKING:
@@ -98,7 +100,6 @@ def _messages(request: LMRequest) -> list[tuple[str, str]]:
 
 
 _UNSUPPORTED_CONFIG = (
-    "response_format",
     "tool_choice",
     "reasoning",
     "logprobs",
@@ -108,8 +109,32 @@ _UNSUPPORTED_CONFIG = (
 )
 
 
+def response_constraint(value: Any) -> Constraint | None:
+    """The constraint of a canonical ``response_format`` (what DSPy's JSONAdapter asks for): ``json_object``,
+    ``json_schema`` (lm15's flat shape or OpenAI's nested one), or a pydantic model class."""
+    if value is None:
+        return None
+    if isinstance(value, type):
+        return Constraint.json_schema(value)
+    if not isinstance(value, dict):
+        raise UnsupportedFeatureError(f"ead-llm cannot honour response_format {value!r}")
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind == "json_schema":
+        spec = value.get("json_schema", value)
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise UnsupportedFeatureError("response_format json_schema needs a 'schema' object")
+        return Constraint.json_schema(schema, strict=bool(spec.get("strict", True)))
+    raise UnsupportedFeatureError(f"ead-llm cannot honour response_format of type {kind!r}")
+
+
 def _options(request: LMRequest) -> dict[str, Any]:
-    """Per-call sampling overrides carried by ``request.config``."""
+    """Per-call sampling overrides carried by ``request.config`` (a ``response_format`` becomes the
+    engine's grammar constraint)."""
     config = request.config
     refused = [name for name in _UNSUPPORTED_CONFIG if getattr(config, name, None) is not None]
     if request.tools or refused or config.extensions:
@@ -125,7 +150,11 @@ def _options(request: LMRequest) -> dict[str, Any]:
         "max_tokens": config.max_tokens,
         "seed": config.seed,
     }
-    return {k: v for k, v in options.items() if v is not None}
+    out = {k: v for k, v in options.items() if v is not None}
+    constraint = response_constraint(config.response_format)
+    if constraint is not None:
+        out["grammar"] = constraint
+    return out
 
 
 @contextmanager
@@ -142,8 +171,10 @@ class PairEngine:
 
     supports_function_calling = False
     supports_reasoning = False
-    supports_response_schema = False
-    supported_params = frozenset({"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n"})
+    supports_response_schema = True
+    supported_params = frozenset(
+        {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "n", "response_format"}
+    )
 
     def __init__(self, owner: EntropyAdaptiveLLM) -> None:
         self.owner = owner
@@ -210,7 +241,7 @@ class AsyncPairEngine:
 
     supports_function_calling = False
     supports_reasoning = False
-    supports_response_schema = False
+    supports_response_schema = True
 
     def __init__(self, sync: PairEngine) -> None:
         self.sync = sync

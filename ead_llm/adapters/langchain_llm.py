@@ -197,7 +197,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
 
     @property
     def supports_response_schema(self) -> bool:
-        return False
+        """DSPy's JSONAdapter then asks for a JSON schema, which the grammar enforces."""
+        return True
 
     def _dspy_cache(self) -> bool:
         return self.cache is not False

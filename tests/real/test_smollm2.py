@@ -96,3 +96,29 @@ def test_dspy_predict_with_its_chat_adapter_runs(real_paths) -> None:
             return  # the 135M model may not follow DSPy's field markers: its judgement, not our failure
     assert isinstance(prediction.answer, str)
     assert lm.history[-1]["ead_cost"]["completion_tokens"] > 0
+
+
+def test_dspy_react_with_two_tools_runs_and_the_grammar_picks_a_real_tool(real_paths) -> None:
+    from ead_llm import EntropyAdaptiveLLM, StrictJSONAdapter
+
+    draft, full = real_paths
+    lm = EntropyAdaptiveLLM(small=str(draft), large=str(full), policy=LargeOnly(), max_tokens=120, cache=False)
+    used: list[str] = []
+
+    def add(a: int, b: int) -> int:
+        """Add two integers and return their sum."""
+        used.append("add")
+        return a + b
+
+    def capital(country: str) -> str:
+        """The capital city of a country."""
+        used.append("capital")
+        return {"japan": "Tokyo"}.get(str(country).lower(), "unknown")
+
+    with dspy.context(lm=lm, adapter=StrictJSONAdapter()):
+        out = dspy.ReAct("question -> answer", tools=[add, capital], max_iters=2)(
+            question="What is the capital of Japan?"
+        )
+    names = [v for k, v in out.trajectory.items() if k.startswith("tool_name_")]
+    assert names and set(names) <= {"add", "capital", "finish"}  # a Literal the grammar enforced
+    assert isinstance(out.answer, str)

@@ -112,7 +112,12 @@ def test_curl(url: str, llm: EntropyAdaptiveLLM) -> None:
     ("path", "payload", "status", "needle"),
     [
         ("/v1/completions", {"model": "gpt-4o", "prompt": "1"}, 404, "not served here"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1"}], "tools": [{"x": 1}]}, 400, "each tool"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "1"}], "tools": [{"x": 1}]},
+            400,
+            "each tool",
+        ),
         ("/v1/completions", {"prompt": "1", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "1", "policy": {"policy": "ead", "threshold": -2}}, 400, "threshold"),
         ("/v1/completions", {"prompt": "1", "n": 0}, 400, "n must be"),
