@@ -195,9 +195,9 @@ def test_unsupported_requests_say_what_to_use(llm: EntropyAdaptiveLLM) -> None:
     from dspy.utils.exceptions import LMUnsupportedFeatureError
 
     lm15 = dspy.lm15
-    config = lm15.Config(response_format={"type": "json_object"})
+    config = lm15.Config(tool_choice=lm15.ToolChoice(mode="required"))
     request = lm15.Request(model=llm.model, messages=(lm15.Message.user("1+1\n"),), config=config)
-    with pytest.raises(LMUnsupportedFeatureError, match=r"cannot honour \['response_format'\]"):
+    with pytest.raises(LMUnsupportedFeatureError, match=r"cannot honour \['tool_choice'\]"):
         llm(request, cache=False)
     image = lm15.Request(model=llm.model, messages=(lm15.Message.user([lm15.ImagePart(url="https://x/y.png")]),))
     with pytest.raises(LMUnsupportedFeatureError, match="text turns"):
