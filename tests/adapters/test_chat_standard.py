@@ -99,9 +99,9 @@ def judged(test: Callable[..., Any]) -> Callable[..., Any]:
     return pytest.mark.xfail(reason=reason, raises=(AssertionError, OutputParserException), strict=False)(copy)
 
 
-def judged_suite(cls: type) -> type:
-    """``cls`` with every test of :data:`JUDGED` it has wrapped by :func:`judged`."""
-    for name in JUDGED:
+def judged_suite(cls: type, names: tuple[str, ...] = JUDGED) -> type:
+    """``cls`` with every test of ``names`` it has wrapped by :func:`judged`."""
+    for name in names:
         test = getattr(cls, name, None)
         if test is not None:
             setattr(cls, name, judged(test))
