@@ -21,7 +21,7 @@ from typing_extensions import TypedDict
 
 from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
 from ead_llm.adapters.prompts import render, renders_tools
-from ead_llm.adapters.tool_calls import CallSplitter, parse_tool_calls
+from ead_llm.adapters.tool_calls import CallSplitter, parse_tool_calls, parse_with_template
 from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
@@ -35,11 +35,29 @@ TOOLS_TEMPLATE = (
 """A template that renders tools, calls and replies itself (as Qwen's and Llama 3.1's do)."""
 
 
+RESPONSE_TEMPLATE = {
+    "start_anchor": "<|assistant|>",
+    "fields": {
+        "content": {"close": "<tool_call>"},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close": "</tool_call>",
+            "content": "json",
+            "repeats": True,
+            "transform": {"type": "function", "function": "{content}"},
+        },
+    },
+}
+"""A transformers response template for the Hermes format (``tokenizer.parse_response`` reads it)."""
+
+
 @functools.cache
-def pair(template: str = CHAT_TEMPLATE) -> tuple[str, str]:
+def pair(template: str = CHAT_TEMPLATE, response: str | None = None) -> tuple[str, str]:
     folder = Path(tempfile.mkdtemp(prefix="ead-llm-tools-"))
     tokenizer = byte_bpe_tokenizer(TOOL_CORPUS, vocab_size=400)
     tokenizer.chat_template = template
+    if response is not None:
+        tokenizer.response_template = json.loads(response)
     small, large = build_tiny_pair(folder, family="gpt2", tokenizer=tokenizer, seed=7, max_positions=2048)
     return str(small), str(large)
 
@@ -182,6 +200,24 @@ def test_a_template_that_renders_tools_gets_them_natively() -> None:
     assert "<tool_call>" not in text  # the template's own format, not the fallback's
     message = chat.bind_tools([Add], tool_choice="Add").invoke("2+3?")
     assert [c["name"] for c in message.tool_calls] == ["Add"]
+
+
+def test_a_tokenizer_with_a_response_template_parses_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    small, large = pair(CHAT_TEMPLATE, json.dumps(RESPONSE_TEMPLATE))
+    chat = ChatEntropyAdaptive(small=small, large=large, max_tokens=60)
+    tokenizer = chat.shared_engine.tokenizer
+    assert tokenizer.response_template == RESPONSE_TEMPLATE  # saved with the tokenizer and loaded back
+    text = 'Sure.\n<tool_call>\n{"name": "Add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = parse_with_template(tokenizer, text, "<|user|>hi\n<|assistant|>", [])
+    assert [(c.name, c.arguments) for c in calls] == [("Add", {"a": 1, "b": 2})]
+    assert content == "Sure."
+    parsed: list[str] = []
+    original = tokenizer.parse_response
+    monkeypatch.setattr(tokenizer, "parse_response", lambda *a, **k: parsed.append(a[0]) or original(*a, **k))
+    message = chat.bind_tools([Add], tool_choice="Add").invoke("2+3?")
+    assert len(parsed) == 1 and parsed[0].startswith("<tool_call>")  # the template read the answer
+    assert [c["name"] for c in message.tool_calls] == ["Add"]
+    Add.model_validate(message.tool_calls[0]["args"])
 
 
 def test_an_agent_loop_runs_with_a_forced_tool() -> None:
