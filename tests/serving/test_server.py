@@ -5,18 +5,17 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 
 import dspy
 import httpx
 import pytest
-import uvicorn
 
 from ead_llm import EntropyAdaptiveLLM
 from ead_llm.evaluation.task import problems
 from ead_llm.serving.server import create_app
+from tests.serving.conftest import serve
 
 PROMPT = problems("test", 1)[0].prompt
 MODEL = "ead-llm/embedded"
@@ -29,17 +28,7 @@ def llm() -> EntropyAdaptiveLLM:
 
 @pytest.fixture(scope="module")
 def url(llm: EntropyAdaptiveLLM) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(create_app(llm), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if server.started:
-            break
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from serve(create_app(llm))
 
 
 def test_health_and_models(url: str) -> None:

@@ -5,18 +5,16 @@ formats parse because the grammar enforces them)."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from ead_llm import EntropyAdaptiveLLM
 from ead_llm.serving.server import create_app
 from tests.adapters.test_tools import pair
+from tests.serving.conftest import serve
 
 MODEL = "tiny"
 ADD = {
@@ -52,17 +50,7 @@ PERSON = {
 def url() -> Iterator[str]:
     small, large = pair()
     llm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=80)
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, MODEL), host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    for _ in range(500):
-        if server.started:
-            break
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    yield from serve(create_app(llm, MODEL))
 
 
 @pytest.fixture(scope="module")
