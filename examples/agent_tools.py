@@ -27,7 +27,8 @@ class Answer(BaseModel):
     capital: str = Field(max_length=20)
 
 
-chat = ChatEntropyAdaptive(small=SMALL, large=LARGE, policy=EAD(threshold=2.0, window=1, min_dwell=1, lookahead=True), max_tokens=48)
+policy = EAD(threshold=2.0, window=1, min_dwell=1, lookahead=True)
+chat = ChatEntropyAdaptive(small=SMALL, large=LARGE, policy=policy, max_tokens=48)
 question = HumanMessage("What is the capital of Japan?")
 
 # 1. The grammar forces a valid call of the named tool, whichever model writes each token.
