@@ -280,15 +280,45 @@ def _policy_classes() -> dict[str, type[Policy]]:
     return found
 
 
+POLICY_ALIASES = {
+    "small": "small_only",
+    "large": "large_only",
+    "smallonly": "small_only",
+    "largeonly": "large_only",
+    "spec": "speculative",
+    "speculative_decoding": "speculative",
+    "random": "random_switching",
+    "fixed": "fixed_block",
+}
+"""Other spellings of policy names, accepted everywhere (CLI, server, descriptions); the canonical name is the
+one ``describe_policy`` writes."""
+
+
+def normalized_policy_name(name: str) -> str:
+    """``name`` with its alias resolved (any case, ``-`` for ``_``), not checked against the policies."""
+    if not isinstance(name, str):
+        raise ValueError(f"a policy name is a string, got {name!r}")
+    key = name.strip().lower().replace("-", "_")
+    return POLICY_ALIASES.get(key, key)
+
+
+def canonical_policy_name(name: str) -> str:
+    """The canonical name of a policy spelled ``name`` (an alias, any case, ``-`` for ``_``)."""
+    key = normalized_policy_name(name)
+    if key not in _policy_classes():
+        known = sorted({*_policy_classes(), *POLICY_ALIASES})
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(known)}")
+    return key
+
+
 def policy_from_description(description: dict[str, Any]) -> Policy:
-    """Rebuild a policy from :func:`describe_policy`'s output (for saved programs and configs)."""
+    """Rebuild a policy from :func:`describe_policy`'s output (for saved programs and configs); the name may
+    be an alias (``large`` for ``large_only``)."""
     if not isinstance(description, dict) or "policy" not in description:
         raise ValueError(f"a policy description is a dict with a 'policy' name, got {description!r}")
     classes = _policy_classes()
     settings = dict(description)
-    name = settings.pop("policy")
-    if name not in classes:
-        raise ValueError(f"unknown policy {name!r}; known: {sorted(classes)}")
+    name = canonical_policy_name(settings.pop("policy"))
     for key, value in settings.items():
         if value == "inf":
             settings[key] = math.inf

@@ -6,67 +6,117 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from ead_llm.policies.base import LargeOnly, Policy, SmallOnly, policy_tag
-from ead_llm.policies.speculative import EASD, SpeculativeDecoding
-from ead_llm.policies.switching import EAD
+if TYPE_CHECKING:  # the CLI imports torch and the frameworks only once the arguments are parsed (fast --help)
+    from ead_llm.policies.base import Policy
 
-POLICY_NAMES = ("ead", "small", "large", "speculative", "easd")
+POLICY_NAMES = ("ead", "small_only", "large_only", "speculative", "easd")
+"""The policies the CLI runs, by their canonical names (``describe_policy``'s); aliases such as ``small`` and
+``large`` are accepted too."""
 EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact", "auto", "contains")
+EAD_OPTIONS = ("threshold", "window", "min_dwell", "lookahead")
+DRAFT_OPTIONS = ("gamma",)
+EASD_OPTIONS = ("entropy_threshold",)
+APPLIES = {
+    "ead": EAD_OPTIONS,
+    "small_only": (),
+    "large_only": (),
+    "speculative": DRAFT_OPTIONS,
+    "easd": DRAFT_OPTIONS + EASD_OPTIONS,
+}
+"""Which policy options each policy takes; the others are refused rather than ignored."""
+
+
+def policy_name(value: str) -> str:
+    """``--policy``'s value as a canonical name (argparse type)."""
+    from ead_llm.policies.base import normalized_policy_name
+
+    name = normalized_policy_name(value)
+    if name not in POLICY_NAMES:
+        raise argparse.ArgumentTypeError(f"choose one of {', '.join(POLICY_NAMES)} (or small, large); got {value!r}")
+    return name
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if getattr(args, n, None) not in (None, False)]
+
+
+def check_policy_options(args: argparse.Namespace) -> None:
+    """Refuse policy options the chosen policy does not take (they would be silently ignored)."""
+    every = EAD_OPTIONS + DRAFT_OPTIONS + EASD_OPTIONS
+    stray = [n for n in _given(args, every) if n not in APPLIES[args.policy]]
+    if stray:
+        flags = ", ".join("--" + n.replace("_", "-") for n in stray)
+        raise ValueError(f"{flags} does not apply to --policy {args.policy}")
 
 
 def _policy(args: argparse.Namespace) -> Policy:
-    """The policy the options name; EAD options left out take EAD's defaults (the threshold: the pair's)."""
-    if args.policy == "small":
+    """The policy the options name; options left out take the policy's defaults (EAD's threshold: the pair's)."""
+    from ead_llm.policies.base import LargeOnly, SmallOnly
+    from ead_llm.policies.speculative import EASD, SpeculativeDecoding
+    from ead_llm.policies.switching import EAD
+
+    check_policy_options(args)
+    if args.policy == "small_only":
         return SmallOnly()
-    if args.policy == "large":
+    if args.policy == "large_only":
         return LargeOnly()
+    options: dict[str, Any] = {k: v for k, v in vars(args).items() if k in APPLIES[args.policy] and v is not None}
     if args.policy == "speculative":
-        return SpeculativeDecoding(gamma=args.gamma)
+        return SpeculativeDecoding(**options)
     if args.policy == "easd":
-        return EASD(gamma=args.gamma, entropy_threshold=args.entropy_threshold)
-    defaults = EAD()
-    threshold = args.threshold
-    if threshold is None:
+        return EASD(**options)
+    if options.get("threshold") is None:
         from ead_llm.embedded import recommended_threshold
 
-        threshold = recommended_threshold() if args.small is None else defaults.threshold
-    return EAD(
-        threshold=threshold,
-        window=defaults.window if args.window is None else args.window,
-        min_dwell=defaults.min_dwell if args.min_dwell is None else args.min_dwell,
-        lookahead=args.lookahead,
-    )
+        options["threshold"] = recommended_threshold() if args.small is None else EAD().threshold
+    return EAD(**options)
 
 
 def serve_policy(args: argparse.Namespace) -> Policy | None:
     """``serve``'s policy: None (the LLM's default) when no policy option is given, else what they say."""
-    ead_options = (args.threshold, args.window, args.min_dwell)
-    if args.policy == "ead" and all(v is None for v in ead_options) and not args.lookahead:
+    if args.policy == "ead" and not _given(args, EAD_OPTIONS):
+        check_policy_options(args)
         return None
     return _policy(args)
 
 
-def _add_sampling(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="decoding policy (default: ead)")
-    parser.add_argument("--threshold", type=float, default=0.25, help="EAD threshold in bits (default 0.25)")
-    parser.add_argument("--window", type=int, default=5, help="EAD rolling window in tokens (default 5)")
+def _add_policy(parser: argparse.ArgumentParser, what: str = "decoding policy") -> None:
+    parser.add_argument(
+        "--policy",
+        type=policy_name,
+        default="ead",
+        help=f"{what}: {', '.join(POLICY_NAMES)} (aliases: small, large; default: ead)",
+    )
+    parser.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
+    parser.add_argument("--window", type=int, default=None, help="EAD rolling window in tokens (default 5)")
+    parser.add_argument("--min-dwell", type=int, default=None, help="EAD minimum tokens between switches (default 10)")
     parser.add_argument(
         "--lookahead", action="store_true", help="EAD: the large model writes the uncertain token itself (ours)"
     )
-    parser.add_argument("--min-dwell", type=int, default=10, help="EAD minimum tokens between switches (default 10)")
-    parser.add_argument("--gamma", type=int, default=4, help="speculative/EASD drafts per round (default 4)")
-    parser.add_argument("--entropy-threshold", type=float, default=2.0, help="EASD entropy threshold, bits (default 2)")
+    parser.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
+    parser.add_argument(
+        "--entropy-threshold", type=float, default=None, help="EASD entropy threshold (bits, default 2)"
+    )
+
+
+def _add_sampling(parser: argparse.ArgumentParser) -> None:
+    _add_policy(parser)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens generated (default 256)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+
+    prompt = args.prompt
+    if args.small is None and args.large is None and not prompt.endswith("\n"):
+        prompt += "\n"  # the embedded pair's prompts are a problem line: "12+35-7\n"
 
     llm = EntropyAdaptiveLLM(
         small=args.small,
@@ -81,7 +131,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    result = llm.generate([args.prompt])
+    result = llm.generate([prompt])
     generation = result.generations[0][0]
     if args.json:
         info = generation.generation_info or {}
@@ -100,6 +150,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
     from ead_llm.embedded import recommended_threshold
     from ead_llm.evaluation.task import extract_answer, problems
+    from ead_llm.policies.base import policy_tag
+    from ead_llm.policies.switching import EAD
 
     console = Console()
     threshold = args.threshold if args.threshold is not None else recommended_threshold()
@@ -175,13 +227,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
 
     quick = args.quick
+    task_only = [
+        flag
+        for flag, value in (
+            ("--extractor", args.extractor),
+            ("--dev-task", args.dev_task),
+            ("--dev-fraction", args.dev_fraction),
+        )
+        if value is not None
+    ]
+    if args.task is None and task_only:
+        raise ValueError(f"{', '.join(task_only)} applies to a --task file; the embedded task has its own")
     if args.task is None:
         dev = args.dev if args.dev is not None else 20 if quick else 100
         test = args.test if args.test is not None else 30 if quick else 200
         task = embedded_task(dev, test)
     else:
         task = load_jsonl_task(
-            args.task, extractor=args.extractor, dev_path=args.dev_task, dev_fraction=args.dev_fraction
+            args.task,
+            extractor=args.extractor or "hashes",
+            dev_path=args.dev_task,
+            dev_fraction=0.3 if args.dev_fraction is None else args.dev_fraction,
         ).limit(args.dev, args.test)
     overrides = {
         key: value
@@ -272,13 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
     serve.add_argument("--device", default=None)
     serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
-    serve.add_argument("--policy", choices=POLICY_NAMES, default="ead", help="default policy (default: ead)")
-    serve.add_argument("--threshold", type=float, default=None, help="EAD threshold (default: EAD's, or the pair's)")
-    serve.add_argument("--window", type=int, default=None, help="EAD rolling window (default 5)")
-    serve.add_argument("--min-dwell", type=int, default=None, help="EAD minimum dwell (default 10)")
-    serve.add_argument("--lookahead", action="store_true", help="EAD: the large model writes the uncertain token")
-    serve.add_argument("--gamma", type=int, default=4)
-    serve.add_argument("--entropy-threshold", type=float, default=2.0)
+    _add_policy(serve, "default policy")
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
     serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions held per model (memory bound)")
@@ -298,8 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
     bench.add_argument("--task", default=None, help="JSONL file of {prompt, answer} (default: the embedded task)")
     bench.add_argument("--dev-task", default=None, help="JSONL file of dev problems (default: from --task)")
-    bench.add_argument("--dev-fraction", type=float, default=0.3, help="dev share of unmarked --task lines")
-    bench.add_argument("--extractor", default="hashes", help="answer extractor: " + ", ".join(EXTRACTOR_NAMES))
+    bench.add_argument("--dev-fraction", type=float, default=None, help="dev share of unmarked --task lines (0.3)")
+    bench.add_argument(
+        "--extractor", default=None, help="answer extractor of a --task (default hashes): " + ", ".join(EXTRACTOR_NAMES)
+    )
     bench.add_argument("--dev", type=int, default=None, help="dev problems (embedded: 100, quick 20)")
     bench.add_argument("--test", type=int, default=None, help="test problems (embedded: 200, quick 30)")
     bench.add_argument("--thresholds", type=float, nargs="+", default=None, help="EAD thresholds (bits) to sweep")
@@ -328,13 +390,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(err: BaseException) -> str:
+    """An error as one line that names the parameter, the value and the rule: pydantic's validation
+    errors lose their dump (``1 validation error for ... input_value=...``), ours pass as they are."""
+    errors = getattr(err, "errors", None)
+    if callable(errors):
+        try:
+            first = errors()[0]
+        except Exception:
+            return str(err).splitlines()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+        if where and where not in message:
+            message = f"{where}: {message} (got {first.get('input')!r})"
+        return message
+    return " ".join(str(err).split("\n")[0].split()) or type(err).__name__
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # no "Loading weights" bars in a command's output
         return int(args.func(args))
     except (ValueError, FileNotFoundError, OSError) as err:
-        print(f"ead-llm: error: {err}", file=sys.stderr)
+        print(f"ead-llm: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 

@@ -117,3 +117,60 @@ def test_serve_keeps_ead_options_given_without_a_threshold() -> None:
     assert policy("--threshold", "0.3") == EAD(threshold=0.3)
     folder = policy("--small", "s", "--large", "l", "--lookahead")
     assert folder == EAD(threshold=EAD().threshold, lookahead=True)  # another pair: EAD's own default
+
+
+def test_parsing_and_help_import_neither_torch_nor_the_frameworks() -> None:
+    code = (
+        "import sys; from ead_llm.serving.cli import build_parser; build_parser().parse_args(['generate', 'x']); "
+        "print(sorted(m for m in ('torch', 'transformers', 'langchain_core', 'dspy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--policy", "ead", "--gamma", "3"], "--gamma does not apply to --policy ead"),
+        (["--policy", "large", "--threshold", "1"], "--threshold does not apply to --policy large_only"),
+        (["--policy", "speculative", "--lookahead"], "--lookahead does not apply to --policy speculative"),
+        (["--policy", "speculative", "--entropy-threshold", "1"], "--entropy-threshold does not apply"),
+        (["--temperature", "9"], "temperature must be in [0.0, 2.0], got 9.0"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused_in_one_line(argv, needle, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "1+2", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "validation error" not in err
+
+
+def test_policy_aliases_are_one_vocabulary(capsys: pytest.CaptureFixture[str]) -> None:
+    from ead_llm.policies.base import canonical_policy_name, policy_from_description
+
+    parser = build_parser()
+    for alias, name in (
+        ("small", "small_only"),
+        ("large", "large_only"),
+        ("Large-Only", "large_only"),
+        ("spec", "speculative"),
+    ):
+        assert parser.parse_args(["generate", "x", "--policy", alias]).policy == name
+        assert canonical_policy_name(alias) == name
+    assert policy_from_description({"policy": "large"}).name == "large_only"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--policy", "banana"])
+    assert "choose one of ead, small_only, large_only" in capsys.readouterr().err
+
+
+def test_generate_matches_the_llms_defaults_on_the_embedded_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    from ead_llm import EntropyAdaptiveLLM
+
+    assert main(["generate", "4821+3907-1568", "--json"]) == 0  # no newline needed: the pair's format adds it
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == EntropyAdaptiveLLM().invoke("4821+3907-1568\n")
+    assert out["text"].endswith("#### 7160\n")
+
+
+def test_bench_refuses_task_options_without_a_task(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--extractor", "nope"]) == 2
+    assert "--extractor applies to a --task file" in capsys.readouterr().err
