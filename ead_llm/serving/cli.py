@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports torch and the frameworks only once the arguments are parsed (fast --help)
+    from ead_llm.accounting.ledger import Pricing
     from ead_llm.policies.base import Policy
 
 POLICY_NAMES = ("ead", "small_only", "large_only", "speculative", "easd")
@@ -190,6 +191,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve_pricing(args: argparse.Namespace) -> Pricing | None:
+    """The prices ``--price-*`` give (unnamed ones 0), or None when none is given."""
+    from ead_llm.accounting.ledger import Pricing
+
+    prices = (args.price_small_input, args.price_small_output, args.price_large_input, args.price_large_output)
+    return None if all(p is None for p in prices) else Pricing(*(p or 0.0 for p in prices))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -207,6 +216,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         kv_budget_tokens=args.kv_budget,
         timeout=args.timeout,
+        pricing=serve_pricing(args),
     )
     uvicorn.run(create_app(llm, args.model_name), host=args.host, port=args.port, log_level=args.log_level)
     return 0
@@ -343,7 +353,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
     serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions held per model (memory bound)")
     serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take")
-    serve.add_argument("--model-name", default=None, help="model id clients use (default: ead-llm/<pair>)")
+    serve.add_argument(
+        "--model-name", default=None, help="model id clients use (default: ead-llm/embedded or ead-llm/<large model>)"
+    )
+    for model in ("small", "large"):
+        for side in ("input", "output"):
+            serve.add_argument(
+                f"--price-{model}-{side}",
+                type=float,
+                default=None,
+                help=f"USD per million {side} tokens of the {model} model (any price given: usage carries cost_usd)",
+            )
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=cmd_serve)
     bench = commands.add_parser(

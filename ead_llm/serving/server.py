@@ -159,18 +159,27 @@ def _response_format(value: dict[str, Any] | None) -> Constraint | None:
     )
 
 
+def default_model_name(llm: EntropyAdaptiveLLM) -> str:
+    """A short model id: ``ead-llm/embedded``, or ``ead-llm/<large model's last path part>``."""
+    if llm.large is None:
+        return "ead-llm/embedded"
+    return "ead-llm/" + llm.large.rstrip("/").split("/")[-1].removesuffix(".gguf")
+
+
 class Server:
     """The OpenAI-compatible surface of one :class:`EntropyAdaptiveLLM` (its pair, policy and defaults)."""
 
     def __init__(self, llm: EntropyAdaptiveLLM, model_name: str | None = None) -> None:
         self.llm = llm
-        self.model_name = model_name or f"ead-llm/{llm.pair_name}"
+        self.model_name = model_name or default_model_name(llm)
+        self.aliases = {self.model_name, f"ead-llm/{llm.pair_name}"}
+        """Model ids a request may name: the served name, and the long ``ead-llm/<small>+<large>`` form."""
         self.created = int(time.time())
 
     # -- request -> engine requests ---------------------------------------------------------------
 
     def _check(self, body: _Body) -> None:
-        if body.model is not None and body.model != self.model_name:
+        if body.model is not None and body.model not in self.aliases:
             raise ServerError(f"model {body.model!r} is not served here; use {self.model_name!r}", 404, "model")
         refused = [name for name in UNSUPPORTED if (body.model_extra or {}).get(name) not in (None, [], {}, "none")]
         if body.logprobs not in (None, False, 0):
@@ -215,8 +224,25 @@ class Server:
         for prompt in prompts:
             for k in range(body.n):
                 (request,) = self.llm._requests([prompt], stop, options, sample_index=k)
+                self._check_length(request)
                 requests.append(request)
         return requests
+
+    def _check_length(self, request: EngineRequest) -> None:
+        """Refuse a request whose prompt and ``max_tokens`` exceed the context, as vLLM and OpenAI do (the
+        library itself would quietly stop at the context's end)."""
+        engine = self.llm.shared_engine
+        limit = engine.max_positions
+        if limit is None or request.sampling.prompt_truncation == "left":
+            return
+        prompt = len(engine.prompt_ids(request))
+        wanted = request.sampling.max_tokens
+        if prompt + wanted > limit:
+            raise ServerError(
+                f"this model's context is {limit} tokens; the request asks for {prompt + wanted} ({prompt} in the "
+                f"prompt, max_tokens {wanted}): lower max_tokens to at most {max(limit - prompt, 0)}",
+                param="max_tokens",
+            )
 
     def _chat_prompt(self, body: ChatBody, tools: list[dict[str, Any]]) -> Prompt:
         messages = []

@@ -161,3 +161,43 @@ def test_bad_tool_requests_get_a_400_that_names_the_field(url: str, payload: dic
     response = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert response.status_code == 400, response.text
     assert needle in response.json()["error"]["message"]
+
+
+def test_a_folder_pair_gets_a_short_model_id_and_the_long_one_still_works(url: str) -> None:
+    from ead_llm.serving.server import default_model_name
+
+    small, large = pair()
+    assert default_model_name(EntropyAdaptiveLLM(small=small, large=large)) == "ead-llm/large"
+    assert default_model_name(EntropyAdaptiveLLM()) == "ead-llm/embedded"
+    ids = [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    assert ids == [MODEL]
+    long_form = f"ead-llm/{small}+{large}"
+    body = {"model": long_form, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 200
+
+
+def test_max_tokens_beyond_the_context_is_a_400_naming_the_limit(url: str) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**12}
+    response = httpx.post(f"{url}/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "context is 2048 tokens" in error["message"]
+    assert "lower max_tokens to at most" in error["message"]
+    completion = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5000})
+    assert completion.status_code == 400 and "context is 2048" in completion.json()["error"]["message"]
+
+
+def test_serve_prices_put_cost_usd_in_usage() -> None:
+    from ead_llm.serving.cli import build_parser, serve_pricing
+    from ead_llm.serving.server import Server
+
+    args = build_parser().parse_args(["serve", "--price-large-output", "4", "--price-small-input", "0.05"])
+    pricing = serve_pricing(args)
+    assert pricing is not None and (pricing.large_output, pricing.small_input, pricing.small_output) == (4.0, 0.05, 0.0)
+    assert serve_pricing(build_parser().parse_args(["serve"])) is None
+    small, large = pair()
+    server = Server(EntropyAdaptiveLLM(small=small, large=large, max_tokens=4, pricing=pricing), MODEL)
+    from ead_llm.serving.server import CompletionBody
+
+    reply = server.completions(CompletionBody(prompt="x"))
+    assert isinstance(reply, dict) and reply["usage"]["cost_usd"] > 0
