@@ -22,6 +22,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,6 +61,25 @@ def _check_requests(requests: Sequence[Request]) -> None:
     for request in requests:
         if not isinstance(request, Request):
             raise ValueError(f"requests must be Request objects, got {request!r}")
+
+
+def warn_unknown_characters(tokenizer: Any, prompt: str) -> None:
+    """Warn that ``prompt`` has characters the vocabulary lacks (each reads as the unknown token), naming
+    them, and the vocabulary itself when it is small (the embedded pair's 20 tokens)."""
+    unk = tokenizer.unk_token_id
+    missing = sorted({c for c in prompt if unk in tokenizer.encode(c, add_special_tokens=False)})
+    vocab = tokenizer.get_vocab()
+    known = ""
+    if len(vocab) <= 64:
+        chars = sorted(t for t in vocab if len(t) == 1)
+        known = (
+            f"; this vocabulary has only {''.join(chars)!r} (the embedded pair's prompts look like '4821+3907-1568\\n')"
+        )
+    warnings.warn(
+        f"prompt characters outside the vocabulary, read as {tokenizer.unk_token!r}: {missing}{known}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _with_text(event: TokenEvent, text: str) -> TokenEvent:
@@ -219,6 +239,9 @@ class Engine:
         """Token ids of a prompt (special tokens as the tokenizer adds them; BOS for an empty prompt)."""
         if isinstance(prompt, str):
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=True))
+            unk = self.tokenizer.unk_token_id
+            if unk is not None and unk in ids:
+                warn_unknown_characters(self.tokenizer, prompt)
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.pair.vocab_size]

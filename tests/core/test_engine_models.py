@@ -154,3 +154,16 @@ def test_empty_prompt_starts_from_bos(llama_pair: ModelPair) -> None:
     assert engine.encode("") == [llama_pair.tokenizer.bos_token_id]
     done = engine.generate([Request("", SmallOnly(), SamplingParams(max_tokens=3))])[0]
     assert done.cost.prompt_tokens == 1
+
+
+def test_characters_outside_the_vocabulary_are_named_in_a_warning() -> None:
+    from ead_llm import EntropyAdaptiveLLM
+
+    llm = EntropyAdaptiveLLM(max_tokens=2)
+    with pytest.warns(UserWarning, match=r"outside the vocabulary, read as '<unk>': \['\?', 'h', 'w', 'y'\]"):
+        llm.invoke("2+2= why?")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.invoke("4821+3907-1568\n")  # every character known: no warning
