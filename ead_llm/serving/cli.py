@@ -275,6 +275,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "batch_size": args.batch_size,
             "seed": args.seed,
             "prompt_format": args.prompt_format,
+            "stop": tuple(args.stop) if args.stop else None,
         }.items()
         if value is not None
     }
@@ -284,18 +285,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         overrides["controls"] = False
     config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=args.no_progress,
-    ) as bar:
-        job = bar.add_task("loading", total=planned_problems(task, config))
+    total = planned_problems(task, config)
+    if not sys.stderr.isatty() and not args.no_progress:  # a log file or a pipe: plain lines, one per run
+        done, current = [0], [""]
 
-        def progress(label: str, done: int) -> None:
-            bar.update(job, advance=done, description=label)
+        def progress(label: str, count: int) -> None:
+            if label != current[0]:
+                print(f"ead-llm bench: {done[0]}/{total} problems done, now {label}", file=sys.stderr, flush=True)
+                current[0] = label
+            done[0] += count
 
         report, files = bench(
             args.small,
@@ -307,6 +305,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             progress=progress,
         )
+    else:
+        with Progress(
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=args.no_progress,
+        ) as bar:
+            job = bar.add_task("loading", total=total)
+
+            def progress(label: str, count: int) -> None:
+                bar.update(job, advance=count, description=label)
+
+            report, files = bench(
+                args.small,
+                args.large,
+                task=task,
+                config=config,
+                out=args.out,
+                device=args.device,
+                dtype=args.dtype,
+                progress=progress,
+            )
     render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
     for path in files.values():
         print(f"wrote {path}")
@@ -405,7 +427,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
     bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
     bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument("--stop", action="append", default=None, help="stop string of every completion (repeatable)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar (or line)")
     bench.set_defaults(func=cmd_bench)
     return parser
 

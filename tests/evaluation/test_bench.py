@@ -178,9 +178,10 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
     small, large = map(str, llama_paths)
     argv = ["bench", "--quick", "--small", small, "--large", large, "--task", str(task), "--out", str(out)]
     argv += ["--extractor", "last_number", "--max-tokens", "12", "--thresholds", "3", "8", "--no-progress"]
-    argv += ["--variants", "5:10", "1:1:lookahead"]
+    argv += ["--variants", "5:10", "1:1:lookahead", "--stop", "=="]
     assert main(argv) == 0
     assert {p.name for p in out.iterdir()} == {
+        "partial.jsonl",
         "results.json",
         "results.csv",
         "accuracy_vs_large_fraction.png",
@@ -211,7 +212,27 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
             assert run["target_fraction"] == matched["large_fraction"]
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == len(runs)
+    partial = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
+    assert [(r["label"], r["split"]) for r in partial] == [(r["label"], r["split"]) for r in runs]  # as they ran
+    assert all(len(r["outputs"]) == r["n"] and all("==" not in t for t in r["outputs"]) for r in runs)
+    assert data["config"]["stop"] == ["=="] and len(data["machine"]["load_average"]) == 3
     assert (out / "accuracy_vs_large_fraction.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_regex_scorer_and_a_plain_progress_line_off_a_terminal(llama_paths, tmp_path: Path, capsys) -> None:
+    task = BenchTask("t", (Example("a", "42"),), (Example("b", "7"),), "regex:answer is (\\d+)")
+    assert task.score("so the answer is 42.", "42") and not task.score("42", "42")
+    assert BenchTask("t", (), (), "regex:[0-9]+").extract("x 12 y 3") == "12"
+    with pytest.raises(ValueError, match="not a regular expression"):
+        BenchTask("t", (), (), "regex:(")
+    lines = [{"prompt": f"{i}+{i}=", "answer": 2 * i, "split": "dev" if i < 2 else "test"} for i in range(4)]
+    small, large = map(str, llama_paths)
+    argv = ["bench", "--quick", "--small", small, "--large", large, "--task", str(_write(tmp_path / "t.jsonl", lines))]
+    argv += ["--out", str(tmp_path / "out"), "--max-tokens", "4", "--thresholds", "3", "--variants", "5:10"]
+    argv += ["--no-speculative", "--no-controls", "--eager-thetas", "--extractor", "regex:(\\d+)"]
+    assert main(argv) == 0  # pytest's capture is not a terminal: plain lines, one per run
+    err = capsys.readouterr().err
+    assert "ead-llm bench: 0/" in err and "problems done, now LargeOnly" in err
 
 
 def test_run_bench_python_api_and_progress(llama_paths: tuple[Path, Path], tmp_path: Path) -> None:

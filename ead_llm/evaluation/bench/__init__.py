@@ -9,6 +9,7 @@ or piece by piece: :func:`embedded_task` / :func:`load_jsonl_task`, :class:`Benc
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ead_llm.core.engine import Engine
@@ -69,7 +70,8 @@ def bench(
     progress: Progress | None = None,
 ) -> tuple[BenchReport, dict[str, Path]]:
     """Load the pair (the embedded one by default), run the benchmark on ``task`` (the embedded task:
-    100 dev and 200 test problems, or 20 and 30 with ``quick``), and write the files into ``out``."""
+    100 dev and 200 test problems, or 20 and 30 with ``quick``), and write the files into ``out``
+    (``partial.jsonl`` there gets each run's record as soon as it finishes)."""
     if (small is None) != (large is None):
         raise ValueError("pass both small= and large= (or neither, for the embedded pair)")
     if small is None or large is None:
@@ -81,8 +83,19 @@ def bench(
     if config is None:
         config = BenchConfig.quick() if quick else BenchConfig()
     engine = Engine(load_pair(LoadConfig(small=small, large=large, device=device, dtype=dtype)))
+    partial = None
+    if out is not None:  # each run as it finishes, so a long bench stopped early leaves what it measured
+        Path(out).mkdir(parents=True, exist_ok=True)
+        partial = Path(out) / "partial.jsonl"
+        partial.write_text("")
+
+    def on_run(run: BenchRun) -> None:
+        if partial is not None:
+            with partial.open("a") as handle:
+                handle.write(json.dumps(run.record(), default=str) + "\n")
+
     try:
-        report = run_bench(engine, task, config, progress=progress)
+        report = run_bench(engine, task, config, progress=progress, on_run=on_run)
     finally:
         engine.close()
     files = write_report(report, out) if out is not None else {}

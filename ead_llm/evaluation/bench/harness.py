@@ -24,7 +24,7 @@ from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.prompts import render
 from ead_llm.core.engine import Engine
 from ead_llm.core.request import Request, SamplingParams
-from ead_llm.core.validation import check_float, check_int
+from ead_llm.core.validation import check_float, check_int, check_stop
 from ead_llm.evaluation.bench.tasks import BenchTask, Example
 from ead_llm.evaluation.evaluate import PolicyRun, run_policy
 from ead_llm.evaluation.stats import mcnemar_exact, wilson_interval
@@ -121,6 +121,8 @@ class BenchConfig:
     """Seed of EAGER's sampling and of the random control's patterns."""
     prompt_format: Literal["text", "chat"] = "text"
     """``chat`` renders each prompt as a user turn with the pair's chat template."""
+    stop: tuple[str, ...] = ()
+    """Stop strings of every completion (a "Q:/A:" prompt that never reaches end-of-text stops at "\\nQ:")."""
     speculative: bool = True
     """Run SpeculativeDecoding and EASD."""
     controls: bool = True
@@ -147,6 +149,7 @@ class BenchConfig:
         check_int("seed", self.seed, minimum=0)
         if self.prompt_format not in ("text", "chat"):
             raise ValueError(f"prompt_format must be 'text' or 'chat', got {self.prompt_format!r}")
+        object.__setattr__(self, "stop", check_stop(self.stop))
 
     @staticmethod
     def quick(**overrides: Any) -> BenchConfig:
@@ -175,6 +178,8 @@ class BenchRun:
     """The EAD run a control is matched to."""
     target_fraction: float | None = None
     """The large-token fraction a control aimed at."""
+    outputs: tuple[str, ...] = ()
+    """Each problem's output text, in order."""
 
     @property
     def n(self) -> int:
@@ -233,6 +238,7 @@ class BenchRun:
             "vs_ead": None,
             "counters": {k: v for k, v in cost.items() if k in self.cost.extra or k == "acceptance_rate"},
             "outcomes": "".join("1" if c else "0" for c in self.correct),
+            "outputs": list(self.outputs),
         }
         if reference is not None:
             out.update(relative_costs(self, reference))
@@ -384,8 +390,14 @@ class BenchReport:
 
 
 def machine_info(engine: Engine) -> dict[str, Any]:
-    """Where the numbers were measured."""
+    """Where the numbers were measured, and how busy the machine was when the run began (the 1, 5 and
+    15-minute load averages: timings on a loaded machine are not comparable with an idle one's)."""
+    import os
+
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     return {
+        "load_average": load,
+        "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
@@ -409,8 +421,15 @@ def planned_problems(task: BenchTask, config: BenchConfig) -> int:
 class _Runner:
     """Runs policies on a split with the benchmark's settings and records them."""
 
-    def __init__(self, engine: Engine, task: BenchTask, config: BenchConfig, progress: Progress | None) -> None:
-        self.engine, self.task, self.config, self.progress = engine, task, config, progress
+    def __init__(
+        self,
+        engine: Engine,
+        task: BenchTask,
+        config: BenchConfig,
+        progress: Progress | None,
+        on_run: Callable[[BenchRun], None] | None = None,
+    ) -> None:
+        self.engine, self.task, self.config, self.progress, self.on_run = engine, task, config, progress, on_run
         self.splits = {"dev": self._render(task.dev), "test": self._render(task.test)}
 
     def _render(self, examples: Sequence[Example]) -> list[Example]:
@@ -429,11 +448,17 @@ class _Runner:
             self.splits[split],
             policy,
             chunk=self.config.batch_size if split == "test" else self.config.dev_batch_size,
-            sampling=SamplingParams(max_tokens=self.config.max_tokens, temperature=0.0, seed=self.config.seed),
+            sampling=SamplingParams(
+                max_tokens=self.config.max_tokens, temperature=0.0, seed=self.config.seed, stop=self.config.stop
+            ),
             scorer=self.task.score,
             on_chunk=tick,
         )
-        return BenchRun(label, kind, result.policy, split, result.correct, result.cost, **extra)
+        outputs = tuple(c.text for c in result.completions)
+        run = BenchRun(label, kind, result.policy, split, result.correct, result.cost, outputs=outputs, **extra)
+        if self.on_run is not None:
+            self.on_run(run)
+        return run
 
     def warm_up(self) -> None:
         """One short untimed request per model, so the first timed run pays no start-up cost."""
@@ -514,8 +539,10 @@ def run_bench(
     config: BenchConfig | None = None,
     *,
     progress: Progress | None = None,
+    on_run: Callable[[BenchRun], None] | None = None,
 ) -> BenchReport:
-    """Run the benchmark of ``task`` on ``engine``'s pair (see the module docstring)."""
+    """Run the benchmark of ``task`` on ``engine``'s pair (see the module docstring); ``on_run`` is told
+    of each run as it finishes (the partial results the CLI writes)."""
     config = config or BenchConfig()
     if not isinstance(engine, Engine):
         raise ValueError(f"engine must be an ead_llm Engine, got {engine!r}")
@@ -523,7 +550,7 @@ def run_bench(
         raise ValueError(f"task must be a BenchTask (embedded_task() or load_jsonl_task(...)), got {task!r}")
     if not isinstance(config, BenchConfig):
         raise ValueError(f"config must be a BenchConfig, got {config!r}")
-    runner = _Runner(engine, task, config, progress)
+    runner = _Runner(engine, task, config, progress, on_run)
     small, large = engine.pair.small.info, engine.pair.large.info
     report = BenchReport(
         task=task.name,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +24,27 @@ SCORERS: tuple[str, ...] = (*EXTRACTORS, CONTAINS)
 """How a task scores an output: an extractor's answer equals the reference, or ``contains``."""
 
 
+REGEX = "regex:"
+"""``regex:PATTERN`` scores by the pattern's first match in the output (its first group when it has one)."""
+
+
 def check_scorer(extractor: str) -> None:
+    if isinstance(extractor, str) and extractor.startswith(REGEX):
+        try:
+            re.compile(extractor[len(REGEX) :])
+        except re.error as exc:
+            raise ValueError(f"extractor {extractor!r}: not a regular expression ({exc})") from None
+        return
     if extractor not in SCORERS:
-        raise ValueError(f"extractor must be one of {', '.join(SCORERS)}; got {extractor!r}")
+        raise ValueError(f"extractor must be one of {', '.join(SCORERS)} or regex:PATTERN; got {extractor!r}")
+
+
+def regex_answer(pattern: str, text: str) -> str | None:
+    """The first match of ``pattern`` in ``text`` (its first group when it has groups), or None."""
+    match = re.search(pattern, text)
+    if match is None:
+        return None
+    return match.group(1) if match.groups() else match.group(0)
 
 
 @dataclass(frozen=True)
@@ -52,7 +71,10 @@ class BenchTask:
         """The normalized answer in an output, or None (EAGER's votes; ``contains`` votes on ``auto``)."""
         if self.extractor == CONTAINS:
             return extract_final_answer(text)
-        found = EXTRACTORS[self.extractor](text)
+        if self.extractor.startswith(REGEX):
+            found = regex_answer(self.extractor[len(REGEX) :], text)
+        else:
+            found = EXTRACTORS[self.extractor](text)
         return None if found is None else normalize(found)
 
     def score(self, text: str, answer: str) -> bool:
