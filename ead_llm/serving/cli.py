@@ -276,6 +276,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "seed": args.seed,
             "prompt_format": args.prompt_format,
             "stop": tuple(args.stop) if args.stop else None,
+            "repeats": args.repeats,
         }.items()
         if value is not None
     }
@@ -330,6 +331,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 progress=progress,
             )
     render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
+    for warning in report.timing_warnings():
+        print(f"ead-llm bench: warning: {warning}", file=sys.stderr)
     for path in files.values():
         print(f"wrote {path}")
     return 0
@@ -427,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
     bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
     bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
+    bench.add_argument(
+        "--repeats", type=int, default=None, help="timings per test run, the median counts (default 1, quick 3)"
+    )
     bench.add_argument("--stop", action="append", default=None, help="stop string of every completion (repeatable)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar (or line)")
     bench.set_defaults(func=cmd_bench)

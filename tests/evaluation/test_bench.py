@@ -276,3 +276,34 @@ def test_ead_variants_parse_and_validate() -> None:
         EADVariant(0, 1)
     with pytest.raises(ValueError, match="start_on"):
         EADVariant(5, 10, start_on="medium")
+
+
+def test_timed_runs_repeat_take_the_median_and_warn_when_they_disagree(llama_paths, tmp_path: Path) -> None:
+    from dataclasses import replace as swap
+
+    small, large = map(str, llama_paths)
+    engine = Engine(load_pair(LoadConfig(small=small, large=large)))
+    task = BenchTask("sums", (Example("1+1=", "2"),), (Example("2+2=", "4"),) * 2, "last_number")
+    config = BenchConfig(
+        thresholds=(5.0,),
+        variants=(EADVariant(2, 3),),
+        eager_thetas=(),
+        speculative=False,
+        controls=False,
+        max_tokens=6,
+        repeats=3,
+    )
+    seen: list[int] = []
+    report = run_bench(engine, task, config, progress=lambda label, n: seen.append(n))
+    engine.close()
+    assert sum(seen) == planned_problems(task, config) == 1 + 3 * 2 * 3
+    for run in report.find("test"):
+        assert len(run.wall_times) == 3 and run.cost.wall_time_s == sorted(run.wall_times)[1]
+    assert all(r.wall_times == () for r in report.find("dev"))
+    # the warning, on set timings (real ones are noise at this size): one repeat twice as slow as the others
+    report.runs = [swap(r, wall_times=(1.0, 1.1, 1.0)) if r.wall_times else r for r in report.runs]
+    slow = swap(report.runs[-1], wall_times=(1.0, 1.0, 2.0))
+    report.runs[-1] = slow
+    (warning,) = report.timing_warnings()
+    assert warning.startswith(slow.label) and "100% apart" in warning
+    assert report.to_json()["timing_warnings"] == [warning]

@@ -14,6 +14,7 @@ feed the choice (accuracy and large fraction do not depend on batching), so they
 from __future__ import annotations
 
 import platform
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -121,6 +122,11 @@ class BenchConfig:
     """Seed of EAGER's sampling and of the random control's patterns."""
     prompt_format: Literal["text", "chat"] = "text"
     """``chat`` renders each prompt as a user turn with the pair's chat template."""
+    repeats: int = 1
+    """Times each test run is repeated for its wall clock (the median counts; outcomes are the first
+    repeat's, greedy runs give the same text every time). ``--quick`` uses 3."""
+    spread_warning: float = 0.2
+    """Warn when a test run's repeats differ by more than this fraction of their median."""
     stop: tuple[str, ...] = ()
     """Stop strings of every completion (a "Q:/A:" prompt that never reaches end-of-text stops at "\\nQ:")."""
     speculative: bool = True
@@ -147,6 +153,8 @@ class BenchConfig:
         check_int("batch_size", self.batch_size, minimum=1)
         check_int("dev_batch_size", self.dev_batch_size, minimum=1)
         check_int("seed", self.seed, minimum=0)
+        check_int("repeats", self.repeats, minimum=1)
+        check_float("spread_warning", self.spread_warning, minimum=0.0)
         if self.prompt_format not in ("text", "chat"):
             raise ValueError(f"prompt_format must be 'text' or 'chat', got {self.prompt_format!r}")
         object.__setattr__(self, "stop", check_stop(self.stop))
@@ -154,7 +162,7 @@ class BenchConfig:
     @staticmethod
     def quick(**overrides: Any) -> BenchConfig:
         """A smaller sweep for a first look (``ead-llm bench --quick``)."""
-        settings: dict[str, Any] = {"thresholds": (0.1, 0.4), "eager_thetas": (0.8,), "eager_paths": 4}
+        settings: dict[str, Any] = {"thresholds": (0.1, 0.4), "eager_thetas": (0.8,), "eager_paths": 4, "repeats": 3}
         return BenchConfig(**{**settings, **overrides})
 
     def settings(self) -> list[tuple[EADVariant, float]]:
@@ -180,6 +188,17 @@ class BenchRun:
     """The large-token fraction a control aimed at."""
     outputs: tuple[str, ...] = ()
     """Each problem's output text, in order."""
+    wall_times: tuple[float, ...] = ()
+    """Wall clock of each repeat (test runs with ``repeats`` > 1); the cost's is their median."""
+
+    @property
+    def wall_spread(self) -> float | None:
+        """(slowest - fastest) / median of the repeats, or None for a single timing."""
+        if len(self.wall_times) < 2:
+            return None
+        ordered = sorted(self.wall_times)
+        middle = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1 :][:2]) / 2
+        return (ordered[-1] - ordered[0]) / middle if middle > 0 else None
 
     @property
     def n(self) -> int:
@@ -239,6 +258,8 @@ class BenchRun:
             "counters": {k: v for k, v in cost.items() if k in self.cost.extra or k == "acceptance_rate"},
             "outcomes": "".join("1" if c else "0" for c in self.correct),
             "outputs": list(self.outputs),
+            "wall_times_s": list(self.wall_times),
+            "wall_spread": self.wall_spread,
         }
         if reference is not None:
             out.update(relative_costs(self, reference))
@@ -376,8 +397,19 @@ class BenchReport:
             }
         return out
 
+    def timing_warnings(self) -> list[str]:
+        """Test runs whose repeated wall clocks disagree by more than the configured spread (a busy machine)."""
+        limit = self.config.spread_warning
+        return [
+            f"{run.label}: repeats took {', '.join(f'{w:.2f}' for w in run.wall_times)} s "
+            f"({run.wall_spread:.0%} apart): the machine was busy; its times are not comparable"
+            for run in self.runs
+            if run.wall_spread is not None and run.wall_spread > limit
+        ]
+
     def to_json(self) -> dict[str, Any]:
         return {
+            "timing_warnings": self.timing_warnings(),
             "task": self.task,
             "extractor": self.extractor,
             "pair": self.pair,
@@ -415,7 +447,7 @@ def planned_problems(task: BenchTask, config: BenchConfig) -> int:
     test_runs = 2 + points + (2 if config.speculative else 0) + (1 if config.eager_thetas else 0)
     if config.controls:
         test_runs += points + 2
-    return dev_runs * len(task.dev) + test_runs * len(task.test)
+    return dev_runs * len(task.dev) + test_runs * len(task.test) * config.repeats
 
 
 class _Runner:
@@ -443,19 +475,37 @@ class _Runner:
             if self.progress is not None:
                 self.progress(label, done)
 
-        result: PolicyRun = run_policy(
-            self.engine,
-            self.splits[split],
-            policy,
-            chunk=self.config.batch_size if split == "test" else self.config.dev_batch_size,
-            sampling=SamplingParams(
-                max_tokens=self.config.max_tokens, temperature=0.0, seed=self.config.seed, stop=self.config.stop
-            ),
-            scorer=self.task.score,
-            on_chunk=tick,
-        )
+        repeats = self.config.repeats if split == "test" else 1
+        results: list[PolicyRun] = []
+        for _ in range(repeats):
+            results.append(
+                run_policy(
+                    self.engine,
+                    self.splits[split],
+                    policy,
+                    chunk=self.config.batch_size if split == "test" else self.config.dev_batch_size,
+                    sampling=SamplingParams(
+                        max_tokens=self.config.max_tokens, temperature=0.0, seed=self.config.seed, stop=self.config.stop
+                    ),
+                    scorer=self.task.score,
+                    on_chunk=tick,
+                )
+            )
+        result = results[0]
+        walls = tuple(r.cost.wall_time_s for r in results)
+        cost = replace(result.cost, wall_time_s=statistics.median(walls)) if repeats > 1 else result.cost
         outputs = tuple(c.text for c in result.completions)
-        run = BenchRun(label, kind, result.policy, split, result.correct, result.cost, outputs=outputs, **extra)
+        run = BenchRun(
+            label,
+            kind,
+            result.policy,
+            split,
+            result.correct,
+            cost,
+            outputs=outputs,
+            wall_times=walls if repeats > 1 else (),
+            **extra,
+        )
         if self.on_run is not None:
             self.on_run(run)
         return run
