@@ -307,3 +307,14 @@ def test_timed_runs_repeat_take_the_median_and_warn_when_they_disagree(llama_pat
     (warning,) = report.timing_warnings()
     assert warning.startswith(slow.label) and "100% apart" in warning
     assert report.to_json()["timing_warnings"] == [warning]
+
+
+def test_plot_points_never_sit_on_each_other_and_crowded_axes_go_log() -> None:
+    from ead_llm.evaluation.bench.plots import crowded, dodge
+
+    points = [(0.5, 0.8), (0.5, 0.8), (0.5, 0.8), (0.9, 0.2)]
+    xs = dodge(points)
+    assert len(set(xs[:3])) == 3 and xs[3] == 0.9  # the three coincident points spread, the far one stays
+    assert dodge([(0.1, 0.5), (0.6, 0.5)]) == [0.1, 0.6]
+    assert crowded([0.0, 0.01, 0.02, 0.03, 0.05, 1.0])  # most points in the left fifth, over two decades
+    assert not crowded([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])

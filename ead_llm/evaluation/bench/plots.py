@@ -46,8 +46,40 @@ def _style(series: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"marker": "o", "color": color, "label": f"{series} (threshold sweep)"}
 
 
+def dodge(points: list[tuple[float, float]], size: float = 0.012) -> list[float]:
+    """x positions for ``points`` such that none sits on an earlier one: a point within ``size`` of the
+    axes' spans (in x and in y) of earlier points moves right by ``size`` of the x span per such point."""
+    if not points:
+        return []
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x_span = (max(xs) - min(xs)) or 1.0
+    y_span = (max(ys) - min(ys)) or 1.0
+    out: list[float] = []
+    for i, (x, y) in enumerate(points):
+        near = sum(
+            1 for j in range(i) if abs(points[j][0] - x) <= size * x_span and abs(points[j][1] - y) <= size * y_span
+        )
+        out.append(x + near * size * x_span)
+    return out
+
+
+def crowded(xs: list[float]) -> bool:
+    """Whether most points (60%) sit in the left fifth of the x range while the range spans a decade or
+    more: a log axis then spreads them."""
+    positive = [x for x in xs if x > 0]
+    if len(positive) < 3 or max(positive) <= 0:
+        return False
+    low, high = min(xs), max(xs)
+    left = sum(1 for x in xs if x <= low + 0.2 * (high - low))
+    return left >= 0.6 * len(xs) and max(positive) / min(positive) >= 10
+
+
 def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str, ...] | None = None) -> None:
     shown = [r for r in runs if r.get(x_key) is not None and (policies is None or r["policy"] in policies)]
+    if crowded([r[x_key] for r in shown]):
+        ax.set_xscale("symlog", linthresh=max(1e-3, min(r[x_key] for r in shown if r[x_key] > 0)))
+    shifted = dodge([(r[x_key], r["accuracy"]) for r in shown])
+    x_of = {id(r): x for r, x in zip(shown, shifted, strict=True)}
     for series in dict.fromkeys(_series(r) for r in shown):
         style = _style(series, shown)
         group = [r for r in shown if _series(r) == series]
@@ -55,7 +87,7 @@ def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str,
         if line:  # a sweep is drawn in threshold order (times are noisy: sorting by x would zig-zag)
             group.sort(key=lambda r: r["params"]["threshold"])
         ax.errorbar(
-            [r[x_key] for r in group],
+            [x_of[id(r)] for r in group],
             [r["accuracy"] for r in group],
             yerr=_errors(group),
             fmt=style["marker"] + ("-" if line else ""),
@@ -63,16 +95,17 @@ def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str,
             label=style["label"],
             capsize=3,
             markersize=6,
+            markerfacecolor="none",  # hollow: a marker drawn over another leaves it visible
             linewidth=1,
         )
         for run in group:
             if run["chosen"]:
-                ax.plot(run[x_key], run["accuracy"], "*", color=style["color"], markersize=16)
+                ax.plot(x_of[id(run)], run["accuracy"], "*", color=style["color"], markersize=16)
     by_label = {r["label"]: r for r in shown}
     for run in shown:  # a thin line from each control to the EAD point it is matched to
         matched = by_label.get(run["matched_to"]) if run.get("matched_to") else None
         if matched is not None:
-            xs, ys = [run[x_key], matched[x_key]], [run["accuracy"], matched["accuracy"]]
+            xs, ys = [x_of[id(run)], x_of.get(id(matched), matched[x_key])], [run["accuracy"], matched["accuracy"]]
             ax.plot(xs, ys, ":", color=STYLE[run["policy"]]["color"], linewidth=0.8, alpha=0.6)
     frontier = pareto_frontier([(r[x_key], r["accuracy"]) for r in shown])
     if frontier:
