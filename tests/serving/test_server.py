@@ -64,6 +64,7 @@ def test_streaming_chat_sends_tokens_then_usage(url: str, llm: EntropyAdaptiveLL
     assert text == llm.invoke(PROMPT)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(chunks) - 1
     assert {c["ead_model"] for c in chunks if c["choices"]} <= {"S", "L"}
+    assert len({c["id"] for c in chunks}) == 1  # one id per completion, the usage chunk included, as OpenAI
 
 
 def test_langchain_chat_openai_talks_to_it(url: str, llm: EntropyAdaptiveLLM) -> None:
