@@ -206,6 +206,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ead_llm.serving.server import create_app
 
     policy = serve_policy(args)
+    ray_options = (args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas)
+    if args.replicas > 1 or any(v is not None for v in ray_options):
+        from ead_llm.policies.base import describe_policy
+        from ead_llm.serving.ray import deployment, run
+
+        config: dict[str, Any] = {
+            "small": args.small,
+            "large": args.large,
+            "policy": None if policy is None else describe_policy(policy),
+            "max_tokens": args.max_tokens,
+            "device": args.device,
+            "dtype": args.dtype,
+            "max_batch": args.max_batch,
+            "kv_budget_tokens": args.kv_budget,
+            "timeout": args.timeout,
+            "pricing": serve_pricing(args),
+        }
+        app = deployment(
+            {k: v for k, v in config.items() if v is not None},
+            model_name=args.model_name,
+            replicas=args.replicas,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            min_replicas=args.min_replicas,
+            max_replicas=args.max_replicas,
+        )
+        run(app, host=args.host, port=args.port)
+        return 0
     llm = EntropyAdaptiveLLM(
         small=args.small,
         large=args.large,
@@ -390,6 +418,16 @@ def build_parser() -> argparse.ArgumentParser:
                 help=f"USD per million {side} tokens of the {model} model (any price given: usage carries cost_usd)",
             )
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="engines behind Ray Serve (pip install 'ead-llm[ray]'; default 1: no Ray)",
+    )
+    serve.add_argument("--num-cpus", type=float, default=None, help="Ray: CPUs reserved per replica")
+    serve.add_argument("--num-gpus", type=float, default=None, help="Ray: GPUs reserved per replica")
+    serve.add_argument("--min-replicas", type=int, default=None, help="Ray: autoscaling lower bound")
+    serve.add_argument("--max-replicas", type=int, default=None, help="Ray: autoscaling upper bound")
     serve.set_defaults(func=cmd_serve)
     bench = commands.add_parser(
         "bench",

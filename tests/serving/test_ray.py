@@ -1,0 +1,166 @@
+"""`ead-llm serve` on Ray Serve: a local Ray cluster with 2 replicas of the embedded pair on this machine.
+
+Requests spread over both replicas; the bill, streaming, per-request policies and seeds are those of one
+server; a killed replica is replaced and a client that retries (the documented contract) loses nothing;
+a cancelled stream frees its sequence; shutdown leaves no Ray process. Skipped where Ray Serve is not
+installed (``pip install 'ead-llm[ray]'``; CI installs it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'ead-llm[ray]'")
+
+import ray
+from ray import serve
+
+from ead_llm import EntropyAdaptiveLLM
+from ead_llm.serving.ray import REPLICA_HEADER, deployment, run
+
+PROMPT = "4821+3907-1568\n"
+BOUND_S = 180.0
+"""Longest wait for the cluster to reach a state (replicas replaced, sequences freed): a bound, not a timing."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _ray_processes() -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                cmd = handle.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(mark in cmd for mark in ("raylet", "gcs_server", "ray::", "default_worker.py")):
+            found.append(cmd[:120])
+    return found
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    run(deployment({"max_tokens": 200}, replicas=2, num_cpus=0.5), port=port, blocking=False)
+    yield f"http://127.0.0.1:{port}"
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm() -> EntropyAdaptiveLLM:
+    return EntropyAdaptiveLLM(max_tokens=200)
+
+
+def _complete(url: str, body: dict, retries: int = 0) -> httpx.Response:
+    """POST a completion; with ``retries``, retry what a dying replica dropped (the client's contract)."""
+    deadline = time.monotonic() + BOUND_S
+    while True:
+        try:
+            response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            if response.status_code < 500 or retries == 0:
+                return response
+        except httpx.TransportError:
+            if retries == 0:
+                raise
+        retries -= 1
+        if time.monotonic() > deadline:
+            raise AssertionError("no live replica answered within the bound")
+        time.sleep(0.5)
+
+
+def test_requests_spread_over_both_replicas_with_one_servers_text_and_bill(url: str, llm) -> None:
+    expected = llm.generate([PROMPT])
+    text, cost = expected.generations[0][0].text, expected.llm_output["cost"]
+    replicas = set()
+    for _ in range(20):  # power of two choices among idle replicas: both are chosen (all but certainly)
+        response = _complete(url, {"prompt": PROMPT, "max_tokens": 200, "seed": 0})
+        assert response.status_code == 200
+        replicas.add(response.headers[REPLICA_HEADER])
+        reply = response.json()
+        assert reply["choices"][0]["text"] == text  # a seeded greedy request: the same text on any replica
+        usage = reply["usage"]
+        for key in ("completion_tokens", "small_tokens", "large_tokens", "switches", "flops", "large_fraction"):
+            assert usage[key] == cost[key], key
+    assert len(replicas) == 2
+
+
+def test_per_request_policy_and_streaming_through_ray(url: str, llm) -> None:
+    reply = _complete(url, {"prompt": PROMPT, "max_tokens": 200, "policy": {"policy": "large"}}).json()
+    assert reply["usage"]["large_fraction"] == 1.0
+    chunks = []
+    body = {"messages": [{"role": "user", "content": PROMPT}], "stream": True, "max_tokens": 200}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == llm.invoke(PROMPT) and len({c["id"] for c in chunks}) == 1
+    assert chunks[-1]["usage"]["completion_tokens"] == len(chunks)
+
+
+def _loads(url: str) -> set[tuple[str, int]]:
+    """(replica, running + waiting) of whichever replicas answer a burst of health checks."""
+    seen = {}
+    for _ in range(12):
+        response = httpx.get(f"{url}/health", timeout=30)
+        load = response.json()
+        seen[response.headers[REPLICA_HEADER]] = load["running"] + load["waiting"]
+    return set(seen.items())
+
+
+def test_a_cancelled_stream_frees_its_sequence_on_its_replica(url: str) -> None:
+    body = {"prompt": PROMPT, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")  # the stream is live; leaving the block drops the connection
+    deadline = time.monotonic() + BOUND_S
+    while any(load for _, load in _loads(url)):
+        assert time.monotonic() < deadline, "the cancelled sequence was never freed"
+        time.sleep(0.5)
+
+
+def test_a_killed_replica_is_replaced_and_retried_requests_all_succeed(url: str, llm) -> None:
+    text = llm.invoke(PROMPT)
+    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ead-llm" in a["name"]]
+    replicas = [a for a in actors if "SERVE_REPLICA" in a["name"]]
+    assert len(replicas) == 2
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    for _ in range(6):  # some of these reach the dead replica first: the client retries, as documented
+        reply = _complete(url, {"prompt": PROMPT, "max_tokens": 200}, retries=20).json()
+        assert reply["choices"][0]["text"] == text
+    killed = replicas[0]["name"]
+    deadline = time.monotonic() + BOUND_S
+    while True:  # a new replica, not the killed one, and two running
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]}
+        status = serve.status().applications["ead-llm"].deployments["ead-llm"]
+        if killed not in names and len(names) == 2 and status.replica_states.get("RUNNING", 0) == 2:
+            break
+        assert time.monotonic() < deadline, f"the replica was not replaced: {names}, {status.replica_states}"
+        time.sleep(0.5)
+    served = {_complete(url, {"prompt": "1+1\n", "max_tokens": 4}).headers[REPLICA_HEADER] for _ in range(20)}
+    assert len(served) == 2 and killed.split("#")[-1] not in served  # both live replicas answer
+
+
+def test_shutdown_leaves_no_ray_process(url: str) -> None:
+    serve.shutdown()
+    ray.shutdown()
+    deadline = time.monotonic() + BOUND_S
+    while _ray_processes():
+        assert time.monotonic() < deadline, f"left running: {_ray_processes()}"
+        time.sleep(0.5)
