@@ -62,8 +62,11 @@ def deployment(
         low = check_int("min_replicas", 1 if min_replicas is None else min_replicas, minimum=0)
         high = check_int("max_replicas", replicas if max_replicas is None else max_replicas, minimum=max(low, 1))
         autoscaling = {"min_replicas": low, "max_replicas": high, "initial_replicas": max(low, 1)}
-        if target_ongoing_requests is not None:
-            autoscaling["target_ongoing_requests"] = float(target_ongoing_requests)
+        # Serve's default target (2 ongoing requests per replica) would scale out a batching engine long
+        # before it is busy: aim at half of what a replica accepts
+        limit = max_ongoing_requests or int(config.get("max_batch") or 64)
+        target = target_ongoing_requests if target_ongoing_requests is not None else max(1.0, limit / 2)
+        autoscaling["target_ongoing_requests"] = float(target)
     actor: dict[str, Any] = {}
     if num_cpus is not None:
         actor["num_cpus"] = num_cpus

@@ -164,3 +164,19 @@ def test_shutdown_leaves_no_ray_process(url: str) -> None:
     while _ray_processes():
         assert time.monotonic() < deadline, f"left running: {_ray_processes()}"
         time.sleep(0.5)
+
+
+def test_the_cli_builds_the_deployment_it_is_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ead_llm.serving.ray as ray_serving
+    from ead_llm.serving.cli import main
+
+    built: list = []
+    monkeypatch.setattr(ray_serving, "run", lambda app, **kw: built.append((app, kw)))
+    assert main(["serve", "--replicas", "2", "--num-cpus", "0.5", "--port", "8123", "--policy", "large"]) == 0
+    ((app, options),) = built
+    deployment_ = app._bound_deployment
+    assert deployment_.num_replicas == 2 and deployment_.ray_actor_options == {"num_cpus": 0.5}
+    assert deployment_.max_ongoing_requests == 64 and options["port"] == 8123
+    assert main(["serve", "--min-replicas", "1", "--max-replicas", "3", "--num-gpus", "1"]) == 0
+    scaling = built[-1][0]._bound_deployment._deployment_config.autoscaling_config
+    assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 32.0)
