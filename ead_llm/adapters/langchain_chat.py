@@ -42,17 +42,9 @@ from pydantic import BaseModel, ConfigDict
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.pair_model import PairModel, iterate_in_thread
-from ead_llm.adapters.prompts import render
+from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.structured import check_method, is_pydantic, json_schema_of, structured, text_parser
-from ead_llm.adapters.tool_calls import (
-    CallSplitter,
-    ToolCall,
-    check_tools,
-    chosen_tools,
-    parse_tool_calls,
-    parse_with_template,
-    tool_constraint,
-)
+from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, check_tools, chosen_tools, plan_tools, split_calls
 from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Prompt
 from ead_llm.policies.base import describe_policy
@@ -219,16 +211,11 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         return structured(llm, parser, include_raw)
 
     def _tools(self, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, Constraint | None]:
-        """Pops the tool options from ``kwargs``: the tools offered, the mode, and the grammar it imposes."""
-        specs = check_tools(kwargs.pop("tools", None) or [])
-        choice = kwargs.pop("tool_choice", None)
-        parallel = kwargs.pop("parallel_tool_calls", None)
-        if not specs:
-            if choice not in (None, "auto", "none"):
-                raise ValueError(f"tool_choice={choice!r} needs tools: bind_tools(tools, tool_choice=...)")
-            return [], "none", None
-        offered, mode = chosen_tools(specs, choice)
-        constraint = tool_constraint(offered, mode, parallel=parallel is not False)
+        """Pops the tool options from ``kwargs``: the tools offered, the mode, and the grammar it imposes
+        (which becomes the call's ``grammar``)."""
+        offered, mode, constraint = plan_tools(
+            kwargs.pop("tools", None), kwargs.pop("tool_choice", None), kwargs.pop("parallel_tool_calls", None)
+        )
         if constraint is not None and any(kwargs.get(name) is not None for name in ("json_schema", "regex", "grammar")):
             raise ValueError("a required or named tool already constrains the answer: drop json_schema/regex/grammar")
         if constraint is not None:
@@ -237,18 +224,6 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
 
     def _prompt(self, messages: list[BaseMessage], tools: list[dict[str, Any]] | None = None) -> Prompt:
         return render(self.shared_engine.tokenizer, message_dicts(messages), self.resolved_prompt_format, tools)
-
-    def _prompt_text(self, prompt: Prompt) -> str:
-        return prompt if isinstance(prompt, str) else str(self.shared_engine.tokenizer.decode(list(prompt)))
-
-    def _split_calls(
-        self, text: str, prompt: Prompt, tools: list[dict[str, Any]]
-    ) -> tuple[str, list[ToolCall], list[str]]:
-        prefix = self._prompt_text(prompt)
-        native = parse_with_template(self.shared_engine.tokenizer, text, prefix, tools, salt=prefix)
-        if native is not None:
-            return native[0], native[1], []
-        return parse_tool_calls(text, salt=prefix)
 
     def _generate(
         self,
@@ -263,7 +238,8 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         (completion,), cost = self._run(requests)
         content, calls, invalid = completion.text, list[ToolCall](), list[str]()
         if mode != "none":
-            content, calls, invalid = self._split_calls(completion.text, prompt, tools)
+            prefix = prompt_text(self.shared_engine.tokenizer, prompt)
+            content, calls, invalid = split_calls(self.shared_engine.tokenizer, completion.text, prefix, tools, prefix)
         metadata = {
             "finish_reason": "tool_calls" if calls else completion.finish_reason.value,
             "model_name": self.pair_name,
@@ -304,7 +280,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         (request,) = self._requests([prompt], stop, kwargs)
         splitter = None
         if mode != "none":
-            splitter = CallSplitter(salt=self._prompt_text(prompt))
+            splitter = CallSplitter(salt=prompt_text(self.shared_engine.tokenizer, prompt))
         made = 0
         for event, cost in self._stream_events(request):
             last = cost is not None and event.finish_reason is not None

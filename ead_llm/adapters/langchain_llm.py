@@ -373,6 +373,16 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             return exc
         return None
 
+    def _triage(
+        self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None, kwargs: dict[str, Any]
+    ) -> tuple[list[RunnableConfig], list[int], list[int]]:
+        """A batch's per-input configs, and the indices of the inputs that can run and of those that cannot."""
+        configs = get_config_list(config, len(inputs))
+        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
+        bad = [i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)]
+        good = sorted(set(range(len(inputs))) - set(bad))
+        return configs, good, bad
+
     def batch(
         self,
         inputs: list[Any],
@@ -386,10 +396,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         others their results."""
         if not return_exceptions or not inputs:
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        configs = get_config_list(config, len(inputs))
-        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
-        bad = {i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)}
-        good = [i for i in range(len(inputs)) if i not in bad]
+        configs, good, bad = self._triage(inputs, config, kwargs)
         out: list[Any] = [None] * len(inputs)
         if good:
             results = super().batch(
@@ -397,7 +404,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             )
             for i, result in zip(good, results, strict=True):
                 out[i] = result
-        for i in sorted(bad):  # each in a run of its own, so that tracers see its error
+        for i in bad:  # each in a run of its own, so that tracers see its error
             try:
                 out[i] = self.invoke(inputs[i], configs[i], **kwargs)
             except Exception as exc:
@@ -415,10 +422,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         """Async batch, with the same handling of inputs that cannot run."""
         if not return_exceptions or not inputs:
             return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        configs = get_config_list(config, len(inputs))
-        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
-        bad = {i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)}
-        good = [i for i in range(len(inputs)) if i not in bad]
+        configs, good, bad = self._triage(inputs, config, kwargs)
         out: list[Any] = [None] * len(inputs)
         if good:
             results = await super().abatch(
@@ -426,7 +430,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             )
             for i, result in zip(good, results, strict=True):
                 out[i] = result
-        for i in sorted(bad):
+        for i in bad:
             try:
                 out[i] = await self.ainvoke(inputs[i], configs[i], **kwargs)
             except Exception as exc:

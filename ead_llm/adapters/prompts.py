@@ -131,6 +131,11 @@ def fallback_chat_text(messages: Sequence[tuple[str, str]]) -> str:
     return turns + "Assistant:"
 
 
+def prompt_text(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> str:
+    """A rendered prompt as text (token ids decoded)."""
+    return prompt if isinstance(prompt, str) else str(tokenizer.decode(list(prompt)))
+
+
 def render(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Message],

@@ -96,6 +96,34 @@ def chosen_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[di
     return [by_name[name]], "named"
 
 
+def plan_tools(
+    tools: Any,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None = None,  # noqa: FBT001 (OpenAI's field)
+) -> tuple[list[dict[str, Any]], str, Constraint | None]:
+    """What a request's tool options mean: the tools offered to the model, the mode (``auto``, ``none``,
+    ``required``, ``named``) and the grammar it imposes (None for free text). Refuses bad specs, and a
+    forcing ``tool_choice`` without tools (``ValueError``)."""
+    specs = check_tools(tools or [])
+    if not specs:
+        if tool_choice not in (None, "auto", "none"):
+            raise ValueError(f"tool_choice={tool_choice!r} needs tools to choose from")
+        return [], "none", None
+    offered, mode = chosen_tools(specs, tool_choice)
+    return offered, mode, tool_constraint(offered, mode, parallel=parallel_tool_calls is not False)
+
+
+def split_calls(
+    tokenizer: Any, text: str, prefix: str, tools: list[dict[str, Any]], salt: str
+) -> tuple[str, list[ToolCall], list[str]]:
+    """An answer's text, its calls and its unparsable ``<tool_call>`` blocks: by the tokenizer's response
+    template when it has one (:func:`parse_with_template`), else by :func:`parse_tool_calls`."""
+    native = parse_with_template(tokenizer, text, prefix, tools, salt=salt)
+    if native is not None:
+        return native[0], native[1], []
+    return parse_tool_calls(text, salt=salt)
+
+
 def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
     """JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``."""
     options = [

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports torch and the frameworks only once the arguments are parsed (fast --help)
@@ -203,28 +204,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.policies.base import describe_policy
     from ead_llm.serving.server import create_app
 
     policy = serve_policy(args)
+    config: dict[str, Any] = {
+        "small": args.small,
+        "large": args.large,
+        "policy": None if policy is None else describe_policy(policy),
+        "max_tokens": args.max_tokens,
+        "device": args.device,
+        "dtype": args.dtype,
+        "max_batch": args.max_batch,
+        "kv_budget_tokens": args.kv_budget,
+        "timeout": args.timeout,
+        "pricing": serve_pricing(args),
+    }
+    config = {k: v for k, v in config.items() if v is not None}  # the rest: EntropyAdaptiveLLM's defaults
     ray_options = (args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas)
     if args.replicas > 1 or any(v is not None for v in ray_options):
-        from ead_llm.policies.base import describe_policy
         from ead_llm.serving.ray import deployment, run
 
-        config: dict[str, Any] = {
-            "small": args.small,
-            "large": args.large,
-            "policy": None if policy is None else describe_policy(policy),
-            "max_tokens": args.max_tokens,
-            "device": args.device,
-            "dtype": args.dtype,
-            "max_batch": args.max_batch,
-            "kv_budget_tokens": args.kv_budget,
-            "timeout": args.timeout,
-            "pricing": serve_pricing(args),
-        }
         app = deployment(
-            {k: v for k, v in config.items() if v is not None},
+            config,
             model_name=args.model_name,
             replicas=args.replicas,
             num_cpus=args.num_cpus,
@@ -234,18 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         run(app, host=args.host, port=args.port)
         return 0
-    llm = EntropyAdaptiveLLM(
-        small=args.small,
-        large=args.large,
-        policy=policy,
-        max_tokens=args.max_tokens,
-        device=args.device,
-        dtype=args.dtype,
-        max_batch=args.max_batch,
-        kv_budget_tokens=args.kv_budget,
-        timeout=args.timeout,
-        pricing=serve_pricing(args),
-    )
+    llm = EntropyAdaptiveLLM(**config)
     uvicorn.run(create_app(llm, args.model_name), host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -315,6 +306,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     config = BenchConfig.quick(**overrides) if quick else BenchConfig(**overrides)
     console = Console(stderr=True)
     total = planned_problems(task, config)
+    progress: Callable[[str, int], None]
+    bar: Any = contextlib.nullcontext()
     if not sys.stderr.isatty() and not args.no_progress:  # a log file or a pipe: plain lines, one per run
         done, current = [0], [""]
 
@@ -324,6 +317,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 current[0] = label
             done[0] += count
 
+    else:
+        bar = Progress(
+            TextColumn("{task.description:<28}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            disable=args.no_progress,
+        )
+        job = bar.add_task("loading", total=total)
+
+        def progress(label: str, count: int) -> None:
+            bar.update(job, advance=count, description=label)
+
+    with bar:
         report, files = bench(
             args.small,
             args.large,
@@ -334,30 +342,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             progress=progress,
         )
-    else:
-        with Progress(
-            TextColumn("{task.description:<28}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=console,
-            disable=args.no_progress,
-        ) as bar:
-            job = bar.add_task("loading", total=total)
-
-            def progress(label: str, count: int) -> None:
-                bar.update(job, advance=count, description=label)
-
-            report, files = bench(
-                args.small,
-                args.large,
-                task=task,
-                config=config,
-                out=args.out,
-                device=args.device,
-                dtype=args.dtype,
-                progress=progress,
-            )
     render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
     for warning in report.timing_warnings():
         print(f"ead-llm bench: warning: {warning}", file=sys.stderr)

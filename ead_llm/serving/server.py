@@ -31,15 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
-from ead_llm.adapters.prompts import render
-from ead_llm.adapters.tool_calls import (
-    CallSplitter,
-    ToolCall,
-    check_tools,
-    chosen_tools,
-    parse_tool_calls,
-    tool_constraint,
-)
+from ead_llm.adapters.prompts import prompt_text, render
+from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, plan_tools, split_calls
 from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Prompt
 from ead_llm.core.request import Request as EngineRequest
@@ -262,13 +255,9 @@ class Server:
     def _tools(body: ChatBody) -> tuple[list[dict[str, Any]], str, Constraint | None]:
         """The tools offered, the tool mode, and the constraint (a forced tool, or the response format)."""
         try:
-            specs = check_tools(body.tools or [])
-            if not specs and body.tool_choice not in (None, "auto", "none"):
-                raise ValueError(f"tool_choice {body.tool_choice!r} needs tools")
-            offered, mode = chosen_tools(specs, body.tool_choice) if specs else ([], "none")
+            offered, mode, constraint = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         except ValueError as exc:
             raise ServerError(str(exc), param="tools" if "tool_choice" not in str(exc) else "tool_choice") from exc
-        constraint = tool_constraint(offered, mode, parallel=body.parallel_tool_calls is not False)
         response = _response_format(body.response_format)
         if constraint is not None and response is not None:
             raise ServerError(
@@ -306,7 +295,8 @@ class Server:
         tools, mode, constraint = self._tools(body)
         prompt = self._chat_prompt(body, tools)
         requests = self._requests([prompt], body, constraint)
-        salt = prompt if isinstance(prompt, str) else str(self.llm.shared_engine.tokenizer.decode(list(prompt)))
+        tokenizer = self.llm.shared_engine.tokenizer
+        salt = prompt_text(tokenizer, prompt)
         if body.stream:
             if len(requests) != 1:
                 raise ServerError("streaming takes n=1", param="stream")
@@ -317,7 +307,7 @@ class Server:
         for c in completions:
             content, calls = c.text, list[ToolCall]()
             if mode != "none":
-                content, calls, _ = parse_tool_calls(c.text, salt=f"{salt}|{c.index}")
+                content, calls, _ = split_calls(tokenizer, c.text, salt, tools, f"{salt}|{c.index}")
             message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
             if calls:
                 message["tool_calls"] = [call.openai() for call in calls]

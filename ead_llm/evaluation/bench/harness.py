@@ -196,9 +196,8 @@ class BenchRun:
         """(slowest - fastest) / median of the repeats, or None for a single timing."""
         if len(self.wall_times) < 2:
             return None
-        ordered = sorted(self.wall_times)
-        middle = ordered[len(ordered) // 2] if len(ordered) % 2 else sum(ordered[len(ordered) // 2 - 1 :][:2]) / 2
-        return (ordered[-1] - ordered[0]) / middle if middle > 0 else None
+        middle = statistics.median(self.wall_times)
+        return (max(self.wall_times) - min(self.wall_times)) / middle if middle > 0 else None
 
     @property
     def n(self) -> int:
