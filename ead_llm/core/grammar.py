@@ -194,7 +194,6 @@ class GrammarCompiler:
         llguidance = _llguidance()
         from llguidance.hf import from_tokenizer
 
-        self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         self.eos = eos_token_ids
         eos = sorted(eos_token_ids) or None
