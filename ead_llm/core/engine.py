@@ -34,7 +34,7 @@ from ead_llm.core.grammar import GrammarCompiler, apply_bitmask
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
-from ead_llm.core.ops import entropy_bits, top_k_entropy_nats
+from ead_llm.core.ops import entropy_bits, top_k_entropy_nats, top_two
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.rejection_sampler import VerifyBatch, verify
 from ead_llm.core.request import Completion, Prompt, PromptTooLongError, Request, sequence_key
@@ -496,23 +496,14 @@ class Engine:
         )
         sampled = self.sampler(logits, meta)
         columns = [sampled.tokens, sampled.entropy_bits if raw is None else raw]
-        if sampled.missed is not None:
-            columns.append(sampled.missed)
         stats = [seq.decoder.branch_stats for seq in seqs]
-        top2 = nats = None
-        if any(stats):
-            top2 = torch.topk(logits, 2, dim=-1).indices  # [B, 2]
-            nats = self._branch_entropy(logits, seqs)
-            columns += [top2[:, 0], top2[:, 1], nats]
+        branching = any(stats)
+        if branching:
+            columns += [*top_two(logits), self._branch_entropy(logits, seqs)]
 
         def finish(host: list[list[float]]) -> list[tuple[int, TokenSample]]:
             tokens, entropy = host[0], host[1]
-            missed = host[2] if sampled.missed is not None else []
-            redraw = [b for b, flag in enumerate(missed) if flag]
-            if redraw:  # rare: top-p draws that all fell outside the nucleus, redrawn exactly
-                for b, token in zip(redraw, self.sampler.resample_missed(logits, meta, redraw), strict=True):
-                    tokens[b] = token
-            extra = host[-3:] if top2 is not None else None
+            extra = host[2:] if branching else None
             results = []
             for b, i in enumerate(rows):
                 sample = TokenSample(

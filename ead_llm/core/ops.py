@@ -36,21 +36,86 @@ def apply_temperature(logits: torch.Tensor, temperature: float | torch.Tensor) -
     return shifted / temperature
 
 
-def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Nucleus filter on [..., V]: keep the smallest set of most likely tokens whose mass >= ``p`` (a float,
-    or per row a tensor such as [B, 1]).
+def top_k_filter(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """``scaled`` ``[B, V]`` with each row's tokens below its ``top_k``-th largest value set to -inf (``top_k`` ``[B]``,
+    0 keeps the row; ``max_top_k``: the largest of them). Ties at the cut are kept: a row keeps every token as
+    likely as its k-th, so the kept set is a function of the values alone (never of an index order)."""
+    if max_top_k == 0:
+        return scaled
+    k = min(max_top_k, scaled.shape[-1])
+    kth = torch.topk(scaled, k, dim=-1).values  # [B, k], sorted: the values, whatever order ties come in
+    cut = kth.gather(1, (torch.clamp(top_k, min=1, max=k) - 1)[:, None])  # [B, 1]
+    return torch.where((top_k > 0)[:, None] & (scaled < cut), -torch.inf, scaled)
 
-    The most likely token is always kept; ``p >= 1`` leaves the logits unchanged.
-    """
+
+def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
+    """Nucleus filter on [..., V]: keep each token whose strictly more likely tokens hold less than ``p`` of the
+    mass (``p`` a float, or per row a tensor such as [B, 1]). That is the smallest set of most likely tokens
+    reaching ``p``, with ties at its edge kept together: the kept set is a function of the values alone. The
+    most likely tokens are always kept; ``p >= 1`` keeps every token. Masses are summed in float64."""
     if isinstance(p, (int, float)) and p >= 1.0:
         return logits
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., V]
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly more likely tokens
-    drop_sorted = mass_before >= p
-    drop_sorted[..., 0] = False
+    probs = torch.softmax(sorted_logits.double(), dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens sorted before each
+    # the mass strictly more likely than a token is ``before`` at the first token of its tie group
+    starts = torch.ones_like(sorted_logits, dtype=torch.bool)
+    starts[..., 1:] = sorted_logits[..., 1:] != sorted_logits[..., :-1]
+    index = torch.arange(sorted_logits.shape[-1], device=logits.device).expand_as(sorted_logits)
+    first = torch.where(starts, index, 0).cummax(dim=-1).values
+    threshold = torch.as_tensor(p, dtype=torch.float64, device=logits.device)
+    drop_sorted = (before.gather(-1, first) >= threshold) & (threshold < 1.0)
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
+
+
+def filter_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    max_top_k: int,
+    any_top_p: bool,
+) -> torch.Tensor:
+    """The one sampling filter: temperature, then top-k, then top-p on what top-k left, ties at each cut kept.
+
+    ``logits``: [B, V] raw; ``temperature`` [B] (> 0), ``top_p`` [B] float; ``top_k`` [B] int (0: off), at most
+    ``max_top_k``; ``any_top_p``: whether a row's ``top_p`` is below 1 (only those rows are sorted). Returns
+    [B, V] float32 scaled logits, -inf outside each row's kept set. The sampler, the drafts, speculative
+    verification and the recovery draw all go through it, so a token is drawable by one exactly when
+    the others give it probability above zero.
+    """
+    scaled = top_k_filter(apply_temperature(logits, temperature[:, None]), top_k, max_top_k)
+    if not any_top_p:
+        return scaled
+    nucleus = (top_p < 1.0).nonzero().flatten()
+    if len(nucleus) == scaled.shape[0]:
+        return top_p_filter(scaled, top_p[:, None])
+    return scaled.index_copy(0, nucleus, top_p_filter(scaled[nucleus], top_p[nucleus, None]))
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    max_top_k: int,
+    any_top_p: bool,
+) -> torch.Tensor:
+    """The sampling distributions ``[B, V]`` of :func:`filter_logits` (same arguments)."""
+    return torch.softmax(
+        filter_logits(logits, temperature, top_k, top_p, max_top_k=max_top_k, any_top_p=any_top_p), dim=-1
+    )
+
+
+def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The most and second most likely token of each row of ``logits`` ``[B, V]`` -> two ``[B]``, the lower id
+    first among equal values (greedy's rule; ``torch.topk`` leaves the order of ties unspecified)."""
+    first = torch.argmax(logits, dim=-1)  # [B]
+    second = torch.argmax(logits.scatter(-1, first[:, None], -torch.inf), dim=-1)
+    return first, second
 
 
 def parameter_ratio(large_fraction: float, small_params: int, large_params: int) -> float:

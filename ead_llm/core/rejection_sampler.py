@@ -5,11 +5,12 @@ scored the position before each draft and one more. Per position ``i``:
 
 - greedy rows (temperature 0): the draft stands while it is the large model's argmax;
 - sampled rows: it stands with probability ``min(1, p(x) / q(x))``, ``p``/``q`` the two models'
-  sampling distributions (temperature, top-k, top-p) (Leviathan et al., arXiv 2211.17192);
+  sampling distributions (:func:`ead_llm.core.ops.filtered_probs`, the sampler's own filter, ties at
+  each cut kept) (Leviathan et al., arXiv 2211.17192); a draft with ``q(x) = 0`` never stands;
 - oracle rows: it stands while the two models' argmaxes agree (whatever was drafted);
 - EASD rows: a draft that would stand is rejected when both models' entropies (bits, raw logits)
-  exceed ``entropy_threshold`` and their top-``top_n`` sets share more than ``overlap_threshold``
-  of ``top_n`` tokens (arXiv 2512.23765).
+  exceed ``entropy_threshold`` and their top-``top_n`` sets (ties at the cut kept) share more than
+  ``overlap_threshold`` of ``top_n`` tokens (arXiv 2512.23765).
 
 The round's last token is drawn at the first rejected position from ``norm(max(0, p - q))``
 (speculative), from ``p`` without the draft (EASD's rejection; greedy: the best other token), or
@@ -23,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ead_llm.core.ops import entropy_bits
-from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, filtered_probs, inverse_cdf, uniforms
+from ead_llm.core.ops import entropy_bits, filtered_probs
+from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, uniforms
 
 
 @dataclass(frozen=True)
@@ -85,15 +86,17 @@ class VerifyOutput:
 
 def top_n_overlap(a: torch.Tensor, b: torch.Tensor, top_n: torch.Tensor, largest: int) -> torch.Tensor:
     """``|topN(a) ∩ topN(b)| / N`` over the last dimension of ``a``, ``b`` ``[R, G, V]``, with N = ``top_n`` ``[R]``
-    (at most ``largest``) -> ``[R, G]``."""
+    (at most ``largest``) -> ``[R, G]``, at most 1. A top-N set keeps ties at its cut (the sampler's rule: the
+    sets depend on the values alone) and never a masked (-inf) token."""
     n = min(largest, a.shape[-1])
-    top_a = torch.topk(a, n, dim=-1).indices  # [R, G, n]
-    top_b = torch.topk(b, n, dim=-1).indices
-    rank = torch.arange(n, device=a.device)
-    limit = torch.clamp(top_n, max=n)[:, None, None]  # [R, 1, 1]
-    in_a = rank[None, None, :] < limit
-    shared = ((top_a[..., :, None] == top_b[..., None, :]) & (rank[None, None, None, :] < limit[..., None])).any(-1)
-    return (shared & in_a).sum(-1).to(torch.float32) / limit[..., 0].to(torch.float32)
+    rank = (torch.clamp(top_n, max=n) - 1)[:, None, None].expand(-1, a.shape[1], 1)  # [R, G, 1]
+
+    def top_set(x: torch.Tensor) -> torch.Tensor:
+        cut = torch.topk(x, n, dim=-1).values.gather(-1, rank)  # [R, G, 1] the N-th largest value
+        return (x >= cut) & (x > -torch.inf)
+
+    shared = (top_set(a) & top_set(b)).sum(-1).to(torch.float32)
+    return torch.clamp(shared / torch.clamp(top_n, max=n)[:, None].to(torch.float32), max=1.0)
 
 
 def verify(batch: VerifyBatch) -> VerifyOutput:
@@ -115,7 +118,7 @@ def verify(batch: VerifyBatch) -> VerifyOutput:
         q = _probs(batch.draft_logits, temperature, batch)  # [R, G, V]
         p_x = p[:, :gamma].gather(-1, drafts[..., None]).squeeze(-1)
         q_x = q.gather(-1, drafts[..., None]).squeeze(-1)
-        ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 1.0)
+        ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 0.0)  # a draft q cannot draw never stands
         u = uniforms(batch.keys, batch.positions, LANE_ACCEPT, max(gamma, 1))[:, :gamma]
         stands = torch.where(greedy, stands, u < ratio.clamp(max=1.0).double())
     oracle_stands = torch.argmax(batch.draft_logits, dim=-1) == target_best[:, :gamma]

@@ -1,17 +1,14 @@
 """The sampler: a pass's next-token logits ``[B, V]`` and per-row settings -> tokens ``[B]``, entropies ``[B]``.
 
 Everything runs batched on the logits' device; settings arrive as tensors, one value per row.
-Greedy rows are one argmax. Sampled rows draw by inverse CDF with uniforms from a counter-based
-generator (:func:`uniforms`): the numbers a row gets depend only on its request's key and the
-position being sampled, so a seed gives the same text whatever else is in the batch, on any
-device, and a draw that is thrown away (a withheld or rolled-back token) shifts nothing.
-
-Top-k keeps the k most likely tokens (``torch.topk``: no full sort). Top-p is exact without a
-sort of the vocabulary: a row's draws come from the (temperature, top-k) distribution and the
-first one inside the nucleus is kept (``mass of strictly more likely tokens < top_p``), which is a
-draw from the renormalised nucleus. With ``DRAWS`` candidates a row misses only when the nucleus
-mass is small and every candidate falls outside it; those rows (flagged ``missed``) are redrawn by
-:meth:`Sampler.resample_missed` with the sort-based filter, so every draw is exact.
+Greedy rows are one argmax (the lowest id among equal maxima). Sampled rows draw one token by
+inverse CDF, in token-id order, from the distribution of :func:`ead_llm.core.ops.filtered_probs`
+(temperature, top-k, top-p, ties at each cut kept): the same function speculative verification and
+its recovery draw use, so the drafts, the large model's verdict and plain sampling agree on what
+can be drawn. Uniforms come from a counter-based generator (:func:`uniforms`): the numbers a row
+gets depend only on its request's key and the position being sampled, so a seed gives the same
+text whatever else is in the batch, on any device, and a draw that is thrown away (a withheld or
+rolled-back token) shifts nothing.
 """
 
 from __future__ import annotations
@@ -22,16 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ead_llm.core.ops import apply_temperature, entropy_bits, top_p_filter
+from ead_llm.core.ops import entropy_bits, filtered_probs
 
-DRAWS = 2
-"""Candidate draws per row for top-p (a row misses with probability (1 - nucleus mass) ** DRAWS, and is
-then redrawn exactly; each further candidate costs a pass over the vocabulary)."""
 CHUNK = 1024
 """Inverse-CDF draws over a whole vocabulary find the chunk of this many tokens first, then the token."""
-LANE_SAMPLE, LANE_ACCEPT, LANE_RESIDUAL, LANE_RESAMPLE = 0, 1, 2, 3
-"""Independent uniform streams per position: sampling, speculative acceptance, the token drawn after a
-verification, and the exact redraw of a missed row."""
+LANE_SAMPLE, LANE_ACCEPT, LANE_RESIDUAL = 0, 1, 2
+"""Independent uniform streams per position: sampling, speculative acceptance, and the token drawn after a
+verification."""
 
 _GOLDEN = 0x9E3779B97F4A7C15 - 2**64
 _MIX1 = 0xBF58476D1CE4E5B9 - 2**64
@@ -119,44 +113,6 @@ def _draw_in(weights: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.minimum(index, last)
 
 
-def in_nucleus(weights: torch.Tensor, tokens: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Whether each of ``tokens`` ``[B, D]`` lies in its row's top-p nucleus of ``weights`` ``[B, V]``
-    (unnormalised): the mass of the strictly more likely tokens is below ``top_p`` ``[B]`` of the total
-    (so the most likely token always is). One pass over the vocabulary per candidate."""
-    chosen = weights.gather(1, tokens)  # [B, D]
-    total = weights.sum(-1, dtype=torch.float64)
-    before = torch.stack(
-        [
-            torch.where(weights > chosen[:, j : j + 1], weights, 0.0).sum(-1, dtype=torch.float64)
-            for j in range(tokens.shape[1])
-        ],
-        dim=1,
-    )  # [B, D]
-    return before < (top_p.to(torch.float64) * total)[:, None]
-
-
-def filtered_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    *,
-    max_top_k: int,
-    any_top_p: bool,
-) -> torch.Tensor:
-    """Sampling distributions ``[B, V]`` after temperature, top-k and top-p, per row (temperature > 0).
-
-    ``logits``: [B, V] raw; ``temperature``, ``top_p``: [B] float; ``top_k``: [B] int (0: off), at most
-    ``max_top_k``; ``any_top_p``: whether a row's ``top_p`` is below 1. Exact, with one sort of the
-    rows when one uses top-p: for where a whole distribution is needed (speculative verification,
-    a missed draw's redraw), not to draw a token in the common case.
-    """
-    scaled = top_k_rows(apply_temperature(logits, temperature[:, None]), top_k, max_top_k)
-    if any_top_p:
-        scaled = top_p_filter(scaled, top_p[:, None])
-    return torch.softmax(scaled, dim=-1)
-
-
 @dataclass(frozen=True)
 class SamplingMetadata:
     """Per-row sampling settings of one pass as tensors on the logits' device."""
@@ -174,8 +130,6 @@ class SamplingMetadata:
     all_greedy: bool
     max_top_k: int
     """Largest top-k of a sampled row (0: none uses top-k)."""
-    any_full: bool
-    """Whether a sampled row draws from its whole vocabulary (top-k off)."""
     any_top_p: bool
 
     @staticmethod
@@ -195,15 +149,12 @@ class SamplingMetadata:
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             all_greedy=not any(sampled),
             max_top_k=max((k for k, s in zip(top_k, sampled, strict=True) if s), default=0),
-            any_full=any(k == 0 for k, s in zip(top_k, sampled, strict=True) if s),
             any_top_p=any(p < 1.0 for p, s in zip(top_p, sampled, strict=True) if s),
         )
 
 
 _NONE = torch.empty(0)
-GREEDY = SamplingMetadata(
-    _NONE, _NONE, _NONE, _NONE, _NONE, all_greedy=True, max_top_k=0, any_full=False, any_top_p=False
-)
+GREEDY = SamplingMetadata(_NONE, _NONE, _NONE, _NONE, _NONE, all_greedy=True, max_top_k=0, any_top_p=False)
 """The settings of a pass where every row is greedy."""
 
 
@@ -215,60 +166,29 @@ class SamplerOutput:
     """[B] int64."""
     entropy_bits: torch.Tensor
     """[B] float32: entropy of each row's raw logits (before temperature), in bits."""
-    missed: torch.Tensor | None
-    """[B] bool where every top-p candidate fell outside the nucleus (redraw with ``resample_missed``);
-    None when no row uses top-p."""
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens ``[B]`` for raw ``logits`` ``[B, V]`` under ``meta``, and the rows that missed (see module doc)."""
-    greedy = torch.argmax(logits, dim=-1)  # [B]
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Tokens ``[B]`` for raw ``logits`` ``[B, V]`` under ``meta`` (see the module docstring)."""
+    greedy = torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
     if meta.all_greedy:
-        return greedy, None
-    vocab = logits.shape[-1]
+        return greedy
     sampled = meta.temperature > 0
-    temperature = torch.where(sampled, meta.temperature, 1.0)
-    scaled = apply_temperature(logits, temperature[:, None])  # [B, V]
-    u = uniforms(meta.keys, meta.positions, LANE_SAMPLE, DRAWS)  # [B, D]
-    candidates = torch.zeros_like(u, dtype=torch.int64)
-    inside = torch.ones_like(u, dtype=torch.bool)
-    if meta.max_top_k:  # rows with top-k draw among their k most likely tokens, and judge top-p there
-        k = min(vocab, meta.max_top_k)
-        values, index = torch.topk(scaled, k, dim=-1)  # [B, k], sorted
-        limit = torch.where(meta.top_k > 0, meta.top_k, k)
-        values = values.masked_fill(torch.arange(k, device=logits.device)[None, :] >= limit[:, None], -torch.inf)
-        weights = torch.exp(values)  # [B, k], the row's maximum is 1
-        picked = inverse_cdf(weights, u)  # [B, D] positions among the k
-        candidates = index.gather(1, picked)
-        if meta.any_top_p:
-            inside = in_nucleus(weights, picked, meta.top_p)
-    if meta.any_full:  # rows without top-k draw from the whole vocabulary
-        weights = torch.exp(scaled)  # [B, V]
-        full = inverse_cdf(weights, u)  # [B, D]
-        uses_k = (meta.top_k > 0)[:, None]
-        candidates = torch.where(uses_k, candidates, full)
-        if meta.any_top_p:
-            inside = torch.where(uses_k, inside, in_nucleus(weights, full, meta.top_p))
-    missed = None
-    if meta.any_top_p:
-        inside = inside | (meta.top_p >= 1.0)[:, None]  # [B, D]
-        first = torch.argmax(inside.to(torch.int8), dim=1)  # the first candidate inside (0 if none)
-        tokens = candidates.gather(1, first[:, None]).squeeze(1)
-        missed = sampled & ~inside.any(dim=1)
-    else:
-        tokens = candidates[:, 0]
-    return torch.where(sampled, tokens, greedy), missed
+    rows = None if bool(sampled.all()) else sampled.nonzero().flatten()  # only the sampled rows are filtered
 
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        return x if rows is None else x[rows]
 
-def top_k_rows(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """``scaled`` ``[B, V]`` with each row's tokens below its ``top_k``-th largest set to -inf (ties at the
-    cut kept; ``top_k`` ``[B]``, 0 keeps the row; ``max_top_k``: the largest of them)."""
-    if max_top_k == 0:
-        return scaled
-    k = min(max_top_k, scaled.shape[-1])
-    kth = torch.topk(scaled, k, dim=-1).values  # [B, k], sorted
-    cut = kth.gather(1, (torch.clamp(top_k, min=1, max=k) - 1)[:, None])  # [B, 1]
-    return torch.where((top_k > 0)[:, None] & (scaled < cut), -torch.inf, scaled)
+    probs = filtered_probs(
+        pick(logits),
+        pick(meta.temperature),
+        pick(meta.top_k),
+        pick(meta.top_p),
+        max_top_k=meta.max_top_k,
+        any_top_p=meta.any_top_p,
+    )  # [S, V]
+    drawn = inverse_cdf(probs, uniforms(pick(meta.keys), pick(meta.positions), LANE_SAMPLE, 1))[:, 0]
+    return drawn if rows is None else greedy.index_copy(0, rows, drawn)
 
 
 class Sampler:
@@ -276,20 +196,4 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: [B, V] float32 raw logits of the producing model."""
-        tokens, missed = sample(logits, meta)
-        return SamplerOutput(tokens=tokens, entropy_bits=entropy_bits(logits), missed=missed)
-
-    @staticmethod
-    def resample_missed(logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> list[int]:
-        """Exact draws (sort-based filters) for ``rows`` whose top-p candidates all missed; rare."""
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        probs = filtered_probs(
-            logits[index],
-            meta.temperature[index],
-            meta.top_k[index],
-            meta.top_p[index],
-            max_top_k=meta.max_top_k,
-            any_top_p=True,
-        )
-        u = uniforms(meta.keys[index], meta.positions[index], LANE_RESAMPLE, 1)
-        return inverse_cdf(probs, u)[:, 0].tolist()
+        return SamplerOutput(tokens=sample(logits, meta), entropy_bits=entropy_bits(logits))

@@ -3,7 +3,14 @@ import math
 import pytest
 import torch
 
-from ead_llm.core.ops import apply_temperature, entropy_bits, forward_flops, parameter_ratio, top_p_filter
+from ead_llm.core.ops import (
+    apply_temperature,
+    entropy_bits,
+    forward_flops,
+    parameter_ratio,
+    top_k_filter,
+    top_p_filter,
+)
 
 
 def test_entropy_bits_hand_computed() -> None:
@@ -40,6 +47,24 @@ def test_top_p_keeps_smallest_nucleus() -> None:
     perm = torch.tensor([2, 0, 3, 1])
     kept_perm = ~torch.isinf(top_p_filter(logits[perm], 0.7))
     assert kept_perm.tolist() == [False, True, False, True]
+
+
+def test_top_p_keeps_a_tie_at_its_edge_together() -> None:
+    probs = torch.tensor([0.4, 0.2, 0.2, 0.2])  # the edge of p = 0.5 falls inside the three-way tie
+    kept = ~torch.isinf(top_p_filter(probs.log(), 0.5))
+    assert kept.tolist() == [True, True, True, True]
+    kept = ~torch.isinf(top_p_filter(probs.log(), 0.4))  # mass before the tie is 0.4: not below 0.4
+    assert kept.tolist() == [True, False, False, False]
+    flat = torch.zeros(2, 7)  # all equal: everything is the most likely
+    assert not torch.isinf(top_p_filter(flat, 0.01)).any()
+    masked = torch.tensor([[0.0, -math.inf, -math.inf, 1.0]])
+    assert (~torch.isinf(top_p_filter(masked, 0.999))).tolist() == [[True, False, False, True]]
+
+
+def test_top_k_keeps_ties_at_the_cut() -> None:
+    logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
+    kept = ~torch.isinf(top_k_filter(logits, torch.tensor([2, 1, 0]), 2))
+    assert kept.tolist() == [[True, True, True, True, False], [True] * 5, [True] * 5]
 
 
 def test_temperature_scales_odds_and_survives_tiny_values() -> None:

@@ -7,40 +7,27 @@ import math
 import pytest
 import torch
 
-from ead_llm.core.ops import apply_temperature, top_p_filter
+from ead_llm.core.ops import filtered_probs, top_two
 from ead_llm.core.sampler import (
     CHUNK,
     LANE_ACCEPT,
     LANE_SAMPLE,
     Sampler,
     SamplingMetadata,
-    filtered_probs,
     fork_key,
     inverse_cdf,
     sample,
     stream_key,
     uniforms,
 )
-
-
-def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution a row must be drawn from, written out plainly: temperature, top-k, top-p."""
-    scaled = apply_temperature(logits, temperature)
-    if 0 < top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, -math.inf)
-    return torch.softmax(top_p_filter(scaled, top_p), dim=-1)
+from tests.reference import reference_probs
 
 
 def draw_many(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, n: int) -> torch.Tensor:
-    """``n`` draws of one row, one per position (so each uses fresh uniforms), missed rows redrawn."""
+    """``n`` draws of one row, one per position (so each uses fresh uniforms)."""
     rows = logits[None].expand(n, -1)
     meta = SamplingMetadata.build([(temperature, top_k, top_p, 1234, position) for position in range(n)])
-    tokens, missed = sample(rows, meta)
-    if missed is not None and bool(missed.any()):
-        redo = missed.nonzero().flatten().tolist()
-        tokens[redo] = torch.tensor(Sampler.resample_missed(rows, meta, redo))
-    return tokens
+    return sample(rows, meta)
 
 
 def total_variation(tokens: torch.Tensor, probs: torch.Tensor) -> float:
@@ -75,7 +62,6 @@ def test_greedy_rows_are_the_argmax_and_rows_are_independent() -> None:
         assert int(alone.tokens[0]) == int(out.tokens[b])
     expected = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1) / math.log(2)
     assert torch.allclose(out.entropy_bits, expected, atol=1e-5)
-    assert Sampler()(logits, SamplingMetadata.build([(0.0, 0, 1.0, 0, 0)] * 5)).missed is None
 
 
 @pytest.mark.parametrize(
@@ -104,24 +90,64 @@ def test_draws_follow_the_filtered_distribution(temperature: float, top_k: int, 
     )
 
 
-def test_a_flat_distribution_with_a_small_nucleus_is_redrawn_exactly() -> None:
-    logits = torch.zeros(400)  # uniform: top-p 0.05 keeps about 20 tokens, most candidates miss
-    logits[:20] = 0.01  # the nucleus: the 20 (slightly) most likely tokens
-    n = 3000
-    meta = SamplingMetadata.build([(1.0, 0, 0.05, 9, position) for position in range(n)])
-    _, missed = sample(logits[None].expand(n, -1), meta)
-    assert missed is not None and int(missed.sum()) > n // 2  # most rows need the exact redraw
-    tokens = draw_many(logits, 1.0, 0, 0.05, n)
-    assert set(tokens.tolist()) <= set(range(20))
+def test_a_flat_distribution_with_a_small_nucleus_draws_only_inside_it() -> None:
+    logits = torch.zeros(400)  # nearly uniform: top-p 0.05 keeps the 20 slightly more likely tokens
+    logits[:20] = 0.01
+    tokens = draw_many(logits, 1.0, 0, 0.05, 3000)
+    assert set(tokens.tolist()) == set(range(20))
     assert total_variation(tokens, reference_probs(logits, 1.0, 0, 0.05)) < 0.06
+
+
+TIES = [
+    # (logits, top_k, top_p, the tokens that must be drawable)
+    ([2.0, 1.0, 1.0, 1.0, 0.0, -1.0], 2, 1.0, {0, 1, 2, 3}),  # top-2 cuts inside a three-way tie: all kept
+    ([1.0, 1.0, 1.0, 0.0, 0.0, -1.0], 1, 1.0, {0, 1, 2}),
+    ([2.0, 1.0, 1.0, 1.0, 0.0, -1.0], 0, 0.5, {0, 1, 2, 3}),  # the nucleus edge falls inside the tie
+    ([2.0, 1.0, 1.0, 1.0, 0.0, -1.0], 0, 0.3, {0}),  # ... or before it
+    ([1.0, 1.0, 1.0, 1.0, 0.0, 0.0], 3, 0.4, {0, 1, 2, 3}),  # both cuts inside one tie
+]
+
+
+@pytest.mark.parametrize(("values", "top_k", "top_p", "support"), TIES)
+def test_ties_at_a_cut_are_kept_and_drawn_as_often_as_their_equals(
+    values: list[float], top_k: int, top_p: float, support: set[int]
+) -> None:
+    logits = torch.tensor(values)
+    probs = reference_probs(logits, 1.0, top_k, top_p)
+    assert {i for i, p in enumerate(probs.tolist()) if p > 0} == support  # the reference applies the rule
+    kept = filtered_probs(
+        logits[None], torch.ones(1), torch.tensor([top_k]), torch.tensor([top_p]), max_top_k=top_k, any_top_p=True
+    )[0]
+    assert torch.allclose(kept, probs, atol=1e-6)
+    for perm in (torch.arange(6).flip(0), torch.tensor([3, 0, 5, 1, 4, 2])):  # the order of the vocabulary
+        moved = filtered_probs(
+            logits[perm][None],
+            torch.ones(1),
+            torch.tensor([top_k]),
+            torch.tensor([top_p]),
+            max_top_k=top_k,
+            any_top_p=True,
+        )[0]
+        assert torch.allclose(moved, probs[perm], atol=1e-6)
+    tokens = draw_many(logits, 1.0, top_k, top_p, 8000)
+    assert set(tokens.tolist()) == support
+    assert total_variation(tokens, probs) < 0.03
+
+
+def test_the_top_two_tokens_break_ties_by_the_lower_id() -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0], [5.0, 1.0, 5.0, 0.0, 0.0], [1.0, 2.0, 0.0, 0.0, 0.0]])
+    first, second = top_two(logits)
+    assert first.tolist() == [1, 0, 1] and second.tolist() == [3, 2, 0]
+    greedy = sample(logits, SamplingMetadata.build([(0.0, 0, 1.0, 0, 0)] * 3))
+    assert torch.equal(greedy, first)
 
 
 def test_a_seed_gives_the_same_draws_on_any_batch() -> None:
     torch.manual_seed(2)
     logits = torch.randn(8, 50)
     rows = [(1.0, 0, 0.9, stream_key(7, b), 11) for b in range(8)]
-    together = sample(logits, SamplingMetadata.build(rows))[0]
-    reversed_rows = sample(logits.flip(0), SamplingMetadata.build(rows[::-1]))[0].flip(0)
+    together = sample(logits, SamplingMetadata.build(rows))
+    reversed_rows = sample(logits.flip(0), SamplingMetadata.build(rows[::-1])).flip(0)
     assert torch.equal(together, reversed_rows)
 
 
