@@ -10,7 +10,6 @@ samples, the same three every time.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import itertools
 from collections.abc import AsyncIterator, Iterator
@@ -34,10 +33,10 @@ from dspy.lm15 import (
 from dspy.lm15 import Request as LMRequest
 
 from ead_llm.accounting.ledger import Cost
-from ead_llm.adapters.pair_model import iterate_in_thread
 from ead_llm.adapters.prompts import render
 from ead_llm.core.grammar import Constraint
-from ead_llm.core.request import PromptTooLongError, Request
+from ead_llm.core.request import Completion, PromptTooLongError, Request
+from ead_llm.core.types import TokenEvent
 
 if TYPE_CHECKING:
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
@@ -205,6 +204,9 @@ class PairEngine:
         engine_request = self._request(request)
         with _context_length_errors():
             (completion,), cost = self.owner._run([engine_request])
+        return self._response(request, completion, cost)
+
+    def _response(self, request: LMRequest, completion: Completion, cost: Cost) -> Response:
         return Response(
             id=None,
             model=request.model,
@@ -220,24 +222,39 @@ class PairEngine:
         with _context_length_errors():
             events = self.owner._stream_events(engine_request)
         yield StreamStartEvent(model=request.model)
-        models = []
+        models: list[str] = []
         for event, cost in events:
-            models.append(event.role.letter)
-            if event.text:
-                yield StreamDeltaEvent(delta=TextDelta(text=event.text))
-            if cost is not None and event.finish_reason is not None:
-                yield StreamEndEvent(
-                    finish_reason=event.finish_reason.value,
-                    usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
-                    provider_data=self._provider_data(cost, "".join(models)),
-                )
+            yield from self._stream_items(event, cost, models)
+
+    async def astream(self, request: LMRequest) -> AsyncIterator[Any]:
+        """:meth:`stream` on the event loop (no thread per token; cancelling frees the engine)."""
+        engine_request = self._request(request)
+        with _context_length_errors():
+            events = self.owner._astream_events(engine_request)
+        yield StreamStartEvent(model=request.model)
+        models: list[str] = []
+        async for event, cost in events:
+            for item in self._stream_items(event, cost, models):
+                yield item
+
+    def _stream_items(self, event: TokenEvent, cost: Cost | None, models: list[str]) -> Iterator[Any]:
+        models.append(event.role.letter)
+        if event.text:
+            yield StreamDeltaEvent(delta=TextDelta(text=event.text))
+        if cost is not None and event.finish_reason is not None:
+            yield StreamEndEvent(
+                finish_reason=event.finish_reason.value,
+                usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
+                provider_data=self._provider_data(cost, "".join(models)),
+            )
 
     def close(self) -> None:
         """Nothing to close: the shared engine outlives every LM object."""
 
 
 class AsyncPairEngine:
-    """Async DSPy engine: runs the sync engine in a worker thread so the event loop stays free."""
+    """Async DSPy engine: awaits the shared engine on the event loop, so cancelling the awaiting task (a
+    timeout, ``asyncio.wait_for``) stops the decoding within one engine step."""
 
     supports_function_calling = False
     supports_reasoning = False
@@ -247,10 +264,13 @@ class AsyncPairEngine:
         self.sync = sync
 
     async def complete(self, request: LMRequest) -> Response:
-        return await asyncio.to_thread(self.sync.complete, request)
+        engine_request = self.sync._request(request)
+        with _context_length_errors():
+            (completion,), cost = await self.sync.owner._arun([engine_request])
+        return self.sync._response(request, completion, cost)
 
     async def stream(self, request: LMRequest) -> AsyncIterator[Any]:
-        async for event in iterate_in_thread(self.sync.stream(request)):
+        async for event in self.sync.astream(request):
             yield event
 
     async def aclose(self) -> None:

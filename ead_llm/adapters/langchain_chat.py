@@ -13,7 +13,6 @@ Content other than text is refused.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, Literal
@@ -41,12 +40,13 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict
 
 from ead_llm.accounting.ledger import Cost
-from ead_llm.adapters.pair_model import PairModel, iterate_in_thread
+from ead_llm.adapters.pair_model import PairModel
 from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.structured import check_method, is_pydantic, json_schema_of, structured, text_parser
 from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, check_tools, chosen_tools, plan_tools, split_calls
 from ead_llm.core.grammar import Constraint
-from ead_llm.core.request import Prompt
+from ead_llm.core.request import Completion, Prompt, Request
+from ead_llm.core.types import TokenEvent
 from ead_llm.policies.base import describe_policy
 
 
@@ -232,32 +232,9 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        tools, mode, _ = self._tools(kwargs)
-        prompt = self._prompt(messages, tools)
-        requests = self._requests([prompt], stop, kwargs)
-        (completion,), cost = self._run(requests)
-        content, calls, invalid = completion.text, list[ToolCall](), list[str]()
-        if mode != "none":
-            prefix = prompt_text(self.shared_engine.tokenizer, prompt)
-            content, calls, invalid = split_calls(self.shared_engine.tokenizer, completion.text, prefix, tools, prefix)
-        metadata = {
-            "finish_reason": "tool_calls" if calls else completion.finish_reason.value,
-            "model_name": self.pair_name,
-            "cost": cost.to_dict(),
-            "models": "".join(r.letter for r in completion.roles),
-            "policy": describe_policy(requests[0].policy),
-        }
-        message = AIMessage(
-            content=content,
-            tool_calls=[_lc_call(c) for c in calls],
-            invalid_tool_calls=[invalid_tool_call(args=block, error="not a JSON tool call") for block in invalid],
-            usage_metadata=_usage(cost),
-            response_metadata=metadata,
-        )
-        return ChatResult(
-            generations=[ChatGeneration(message=message, generation_info={"finish_reason": metadata["finish_reason"]})],
-            llm_output={"token_usage": dict(_usage(cost)), "cost": cost.to_dict(), "model_name": self.pair_name},
-        )
+        call = self._call(messages, stop, kwargs)
+        (completion,), cost = self._run([call.request])
+        return call.result(completion, cost)
 
     async def _agenerate(
         self,
@@ -266,7 +243,10 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+        """Awaits the engine itself: cancelling the task stops the decoding within one engine step."""
+        call = self._call(messages, stop, kwargs)
+        (completion,), cost = await self._arun([call.request])
+        return call.result(completion, cost)
 
     def _stream(
         self,
@@ -275,33 +255,9 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        tools, mode, _ = self._tools(kwargs)
-        prompt = self._prompt(messages, tools)
-        (request,) = self._requests([prompt], stop, kwargs)
-        splitter = None
-        if mode != "none":
-            splitter = CallSplitter(salt=prompt_text(self.shared_engine.tokenizer, prompt))
-        made = 0
-        for event, cost in self._stream_events(request):
-            last = cost is not None and event.finish_reason is not None
-            text, calls = (event.text, []) if splitter is None else splitter.push(event.text, last=last)
-            chunks = [_lc_chunk(c, made + i) for i, c in enumerate(calls)]
-            made += len(calls)
-            metadata: dict[str, Any] = {"models": event.role.letter}
-            if last:
-                assert cost is not None and event.finish_reason is not None
-                finish = "tool_calls" if made else event.finish_reason.value
-                metadata.update(finish_reason=finish, model_name=self.pair_name, cost=cost.to_dict())
-                message = AIMessageChunk(
-                    content=text,
-                    tool_call_chunks=chunks,
-                    usage_metadata=_usage(cost),
-                    response_metadata=metadata,
-                    chunk_position="last",
-                )
-            else:
-                message = AIMessageChunk(content=text, tool_call_chunks=chunks, response_metadata=metadata)
-            chunk = ChatGenerationChunk(message=message)
+        call = self._call(messages, stop, kwargs)
+        for event, cost in self._stream_events(call.request):
+            chunk = call.chunk(event, cost)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
@@ -313,8 +269,76 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        iterator = self._stream(messages, stop, None, **kwargs)
-        async for chunk in iterate_in_thread(iterator):
+        call = self._call(messages, stop, kwargs)
+        async for event, cost in self._astream_events(call.request):
+            chunk = call.chunk(event, cost)
             if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                await run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
+
+    def _call(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _ChatCall:
+        tools, mode, _ = self._tools(kwargs)
+        prompt = self._prompt(messages, tools)
+        (request,) = self._requests([prompt], stop, kwargs)
+        return _ChatCall(self, request, tools, mode, prompt_text(self.shared_engine.tokenizer, prompt))
+
+
+class _ChatCall:
+    """One chat call: its engine request and how its text becomes a message (tool calls split out), whole or
+    streamed chunk by chunk."""
+
+    def __init__(
+        self, model: ChatEntropyAdaptive, request: Request, tools: list[dict[str, Any]], mode: str, salt: str
+    ) -> None:
+        self.model, self.request, self.tools, self.mode, self.salt = model, request, tools, mode, salt
+        self._splitter = CallSplitter(salt=salt) if mode != "none" else None
+        self._made = 0
+
+    def result(self, completion: Completion, cost: Cost) -> ChatResult:
+        model = self.model
+        content, calls, invalid = completion.text, list[ToolCall](), list[str]()
+        if self.mode != "none":
+            tokenizer = model.shared_engine.tokenizer
+            content, calls, invalid = split_calls(tokenizer, completion.text, self.salt, self.tools, self.salt)
+        metadata = {
+            "finish_reason": "tool_calls" if calls else completion.finish_reason.value,
+            "model_name": model.pair_name,
+            "cost": cost.to_dict(),
+            "models": "".join(r.letter for r in completion.roles),
+            "policy": describe_policy(self.request.policy),
+        }
+        message = AIMessage(
+            content=content,
+            tool_calls=[_lc_call(c) for c in calls],
+            invalid_tool_calls=[invalid_tool_call(args=block, error="not a JSON tool call") for block in invalid],
+            usage_metadata=_usage(cost),
+            response_metadata=metadata,
+        )
+        return ChatResult(
+            generations=[ChatGeneration(message=message, generation_info={"finish_reason": metadata["finish_reason"]})],
+            llm_output={"token_usage": dict(_usage(cost)), "cost": cost.to_dict(), "model_name": model.pair_name},
+        )
+
+    def chunk(self, event: TokenEvent, cost: Cost | None) -> ChatGenerationChunk:
+        """The message chunk of one streamed token; the last carries the finish reason, usage and cost."""
+        last = cost is not None and event.finish_reason is not None
+        splitter = self._splitter
+        text, calls = (event.text, []) if splitter is None else splitter.push(event.text, last=last)
+        chunks = [_lc_chunk(c, self._made + i) for i, c in enumerate(calls)]
+        self._made += len(calls)
+        metadata: dict[str, Any] = {"models": event.role.letter}
+        if not last:
+            return ChatGenerationChunk(
+                message=AIMessageChunk(content=text, tool_call_chunks=chunks, response_metadata=metadata)
+            )
+        assert cost is not None and event.finish_reason is not None
+        finish = "tool_calls" if self._made else event.finish_reason.value
+        metadata.update(finish_reason=finish, model_name=self.model.pair_name, cost=cost.to_dict())
+        message = AIMessageChunk(
+            content=text,
+            tool_call_chunks=chunks,
+            usage_metadata=_usage(cost),
+            response_metadata=metadata,
+            chunk_position="last",
+        )
+        return ChatGenerationChunk(message=message)

@@ -26,6 +26,7 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
@@ -43,11 +44,11 @@ from pydantic import ConfigDict, PrivateAttr
 
 from ead_llm.accounting.ledger import Cost, Pricing
 from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
-from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel, iterate_in_thread
+from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel
 from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser
 from ead_llm.core.grammar import Constraint
-from ead_llm.core.request import Completion
-from ead_llm.core.types import Role
+from ead_llm.core.request import Completion, Request
+from ead_llm.core.types import Role, TokenEvent
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description, policy_tag
 
 logger = logging.getLogger(__name__)
@@ -363,26 +364,6 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         bound._history = self._history
         return bound
 
-    def _input_error(self, item: Any, stop: list[str] | None, options: dict[str, Any]) -> Exception | None:
-        """Why one input of a batch would fail before anything runs (None when it would not)."""
-        try:
-            prompt = self._convert_input(item).to_string()
-            (request,) = self._requests([prompt], stop, options)
-            self._engine.prompt_ids(request)
-        except Exception as exc:
-            return exc
-        return None
-
-    def _triage(
-        self, inputs: list[Any], config: RunnableConfig | list[RunnableConfig] | None, kwargs: dict[str, Any]
-    ) -> tuple[list[RunnableConfig], list[int], list[int]]:
-        """A batch's per-input configs, and the indices of the inputs that can run and of those that cannot."""
-        configs = get_config_list(config, len(inputs))
-        options = {k: kwargs[k] for k in CALL_OPTIONS if k in kwargs}
-        bad = [i for i, item in enumerate(inputs) if self._input_error(item, kwargs.get("stop"), options)]
-        good = sorted(set(range(len(inputs))) - set(bad))
-        return configs, good, bad
-
     def batch(
         self,
         inputs: list[Any],
@@ -391,25 +372,22 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[str]:
-        """LangChain's batch (one engine call). With ``return_exceptions``, an input that cannot run (an
-        overlong prompt, a lone surrogate, not a string) gets its own error, in its own run, and the
-        others their results."""
+        """LangChain's batch. Without ``return_exceptions`` it is one engine call (any failure raises). With it,
+        each input is a run of its own (its own callbacks, its own error): the runs are submitted at once and
+        the engine decodes them together, so one failing input leaves the others' texts as they are alone."""
         if not return_exceptions or not inputs:
             return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        configs, good, bad = self._triage(inputs, config, kwargs)
-        out: list[Any] = [None] * len(inputs)
-        if good:
-            results = super().batch(
-                [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
-            )
-            for i, result in zip(good, results, strict=True):
-                out[i] = result
-        for i in bad:  # each in a run of its own, so that tracers see its error
+        configs = get_config_list(config, len(inputs))
+        workers = min(len(inputs), configs[0].get("max_concurrency") or self.shared_engine.max_batch)
+
+        def run(item: Any, item_config: RunnableConfig) -> Any:
             try:
-                out[i] = self.invoke(inputs[i], configs[i], **kwargs)
+                return self.invoke(item, item_config, **kwargs)
             except Exception as exc:
-                out[i] = exc
-        return out
+                return exc
+
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ead-llm-batch") as pool:
+            return list(pool.map(run, inputs, configs))
 
     async def abatch(
         self,
@@ -419,23 +397,20 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         return_exceptions: bool = False,
         **kwargs: Any,
     ) -> list[str]:
-        """Async batch, with the same handling of inputs that cannot run."""
+        """Async batch, with the same per-input runs under ``return_exceptions``."""
         if not return_exceptions or not inputs:
             return await super().abatch(inputs, config, return_exceptions=return_exceptions, **kwargs)
-        configs, good, bad = self._triage(inputs, config, kwargs)
-        out: list[Any] = [None] * len(inputs)
-        if good:
-            results = await super().abatch(
-                [inputs[i] for i in good], [configs[i] for i in good], return_exceptions=True, **kwargs
-            )
-            for i, result in zip(good, results, strict=True):
-                out[i] = result
-        for i in bad:
-            try:
-                out[i] = await self.ainvoke(inputs[i], configs[i], **kwargs)
-            except Exception as exc:
-                out[i] = exc
-        return out
+        configs = get_config_list(config, len(inputs))
+        limit = asyncio.Semaphore(configs[0].get("max_concurrency") or len(inputs))
+
+        async def run(item: Any, item_config: RunnableConfig) -> Any:
+            async with limit:
+                try:
+                    return await self.ainvoke(item, item_config, **kwargs)
+                except Exception as exc:
+                    return exc
+
+        return list(await asyncio.gather(*(run(i, c) for i, c in zip(inputs, configs, strict=True))))
 
     def generate(  # type: ignore[override]
         self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
@@ -463,7 +438,21 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         **kwargs: Any,
     ) -> LLMResult:
         requests = self._requests(prompts, stop, kwargs)
-        completions, total = self._run(requests)
+        return self._result(requests, *self._run(requests))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        """Awaits the engine itself: cancelling the task (``asyncio.wait_for``, a client that left) stops the
+        decoding within one engine step."""
+        requests = self._requests(prompts, stop, kwargs)
+        return self._result(requests, *await self._arun(requests))
+
+    def _result(self, requests: list[Request], completions: list[Completion], total: Cost) -> LLMResult:
         return PairResult(
             generations=[[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions],
             llm_output={
@@ -478,15 +467,6 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             },
         )
 
-    async def _agenerate(
-        self,
-        prompts: list[str],
-        stop: list[str] | None = None,
-        run_manager: AsyncCallbackManagerForLLMRun | None = None,
-        **kwargs: Any,
-    ) -> LLMResult:
-        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
-
     def _stream(
         self,
         prompt: str,
@@ -498,15 +478,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         if run_manager is not None:
             _report_on_end(run_manager, self)
         for event, cost in self._stream_events(request):
-            chunk = GenerationChunk(
-                text=event.text, generation_info=_chunk_info(event.role, event.token_id, event.entropy)
-            )
-            if cost is not None and event.finish_reason is not None:
-                chunk.generation_info = {
-                    **(chunk.generation_info or {}),
-                    "finish_reason": event.finish_reason.value,
-                    "cost": cost.to_dict(),
-                }
+            chunk = _chunk(event, cost)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
@@ -518,13 +490,22 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        iterator = self._stream(prompt, stop, None, **kwargs)
+        (request,) = self._requests([prompt], stop, kwargs)
         if run_manager is not None:
             _report_on_end(run_manager, self)
-        async for chunk in iterate_in_thread(iterator):
+        async for event, cost in self._astream_events(request):
+            chunk = _chunk(event, cost)
             if run_manager is not None:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                await run_manager.on_llm_new_token(event.text, chunk=chunk)
             yield chunk
+
+
+def _chunk(event: TokenEvent, cost: Cost | None) -> GenerationChunk:
+    """One streamed token; the last carries the finish reason and the cost."""
+    info = _chunk_info(event.role, event.token_id, event.entropy)
+    if cost is not None and event.finish_reason is not None:
+        info.update(finish_reason=event.finish_reason.value, cost=cost.to_dict())
+    return GenerationChunk(text=event.text, generation_info=info)
 
 
 class PairResult(LLMResult):

@@ -8,15 +8,13 @@ model) are thin adapters over this: they turn their framework's input into engin
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer, field_validator, model_validator
-from tenacity import Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ead_llm import __version__
 from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
@@ -82,33 +80,6 @@ IDENTITY_FIELDS = (
 """Fields that decide the text (with the policy): what a cache key and ``asdict()`` hold."""
 DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
 """Keys of ``asdict()`` that are not constructor arguments."""
-T = TypeVar("T")
-
-
-async def iterate_in_thread(iterator: Iterator[T]) -> AsyncIterator[T]:
-    """Drive a blocking iterator from async code, one item per worker-thread hop (the loop stays free).
-
-    When the consumer stops early (or its task is cancelled while an item is being fetched), the
-    iterator is closed, which frees the engine's sequence; a fetch still running in its worker
-    thread is waited for first, since a generator cannot be closed while it runs.
-    """
-    done = object()
-    fetch: asyncio.Future[Any] | None = None
-    try:
-        while True:
-            fetch = asyncio.ensure_future(asyncio.to_thread(next, iterator, done))
-            item = await asyncio.shield(fetch)
-            fetch = None
-            if item is done:
-                return
-            yield item
-    finally:
-        if fetch is not None:
-            with contextlib.suppress(BaseException):
-                await fetch  # the worker's next() must return before the iterator can be closed
-        close = getattr(iterator, "close", None)
-        if close is not None:
-            close()  # frees the engine and the sequence's caches when the consumer stops early
 
 
 class PairModel(BaseModel):
@@ -334,19 +305,58 @@ class PairModel(BaseModel):
 
     # -- running ----------------------------------------------------------------------------------
 
-    def _run(self, requests: list[Request]) -> tuple[list[Completion], Cost]:
-        """Run requests to completion; returns the completions and the call's summed cost."""
-        start = time.perf_counter()
-        retrying = Retrying(
+    def _retries(self, kind: type[Retrying] | type[AsyncRetrying]) -> Any:
+        """Retries of a call whose forward pass ran out of accelerator memory (``max_retries``)."""
+        return kind(
             retry=retry_if_exception_type(torch.OutOfMemoryError),
             stop=stop_after_attempt(self.max_retries + 1),
             wait=wait_exponential(multiplier=0.1, max=2.0),
             reraise=True,
         )
-        completions = retrying(self._engine.generate, requests, pricing=self.pricing, timeout_s=self.timeout)
+
+    def _run(self, requests: list[Request]) -> tuple[list[Completion], Cost]:
+        """Run requests to completion; returns the completions and the call's summed cost."""
+        start = time.perf_counter()
+        completions = self._retries(Retrying)(
+            self._engine.generate, requests, pricing=self.pricing, timeout_s=self.timeout
+        )
+        return completions, self._total(completions, start)
+
+    async def _arun(self, requests: list[Request]) -> tuple[list[Completion], Cost]:
+        """:meth:`_run` for async callers: cancelling the awaiting task stops the requests within one step."""
+        start = time.perf_counter()
+        completions = await self._retries(AsyncRetrying)(
+            self._engine.agenerate, requests, pricing=self.pricing, timeout_s=self.timeout
+        )
+        return completions, self._total(completions, start)
+
+    @staticmethod
+    def _total(completions: list[Completion], start: float) -> Cost:
         total = Cost.total([c.cost for c in completions], wall_time_s=time.perf_counter() - start)
         report(total)
-        return completions, total
+        return total
+
+    def _ledger(self, request: Request) -> CompletionLedger:
+        """The ledger of one streamed request (a voting policy cannot stream: refused here)."""
+        if request.policy.votes:
+            raise ValueError(
+                f"{type(request.policy).__name__} answers by a vote once every path has finished: "
+                "use invoke/generate, not stream"
+            )
+        pair = self._engine.pair
+        return CompletionLedger(
+            pair.small.info, pair.large.info, pricing=self.pricing, counters=request.policy.counters()
+        )
+
+    @staticmethod
+    def _billed(event: TokenEvent, ledger: CompletionLedger, start: float) -> tuple[TokenEvent, Cost | None]:
+        """``event`` recorded, with the completion's cost on the last one."""
+        ledger.record(event)
+        if event.finish_reason is None:
+            return event, None
+        cost = ledger.cost(time.perf_counter() - start)
+        report(cost)
+        return event, cost
 
     def _stream_events(self, request: Request) -> Iterator[tuple[TokenEvent, Cost | None]]:
         """One request's events; the last comes with the completion's cost.
@@ -354,29 +364,30 @@ class PairModel(BaseModel):
         The request is checked and queued here, before this returns: a bad one raises now, not when
         the events are first read (a server can still answer it with an error status).
         """
-        if request.policy.votes:
-            raise ValueError(
-                f"{type(request.policy).__name__} answers by a vote once every path has finished: "
-                "use invoke/generate, not stream"
-            )
-        engine = self._engine
-        pair = engine.pair
-        ledger = CompletionLedger(
-            pair.small.info, pair.large.info, pricing=self.pricing, counters=request.policy.counters()
-        )
+        ledger = self._ledger(request)
         start = time.perf_counter()
-        stream = engine.stream([request], self.timeout)
+        stream = self._engine.stream([request], self.timeout)
 
         def events() -> Iterator[tuple[TokenEvent, Cost | None]]:
             try:
                 for event in stream:
-                    ledger.record(event)
-                    if event.finish_reason is None:
-                        yield event, None
-                    else:
-                        cost = ledger.cost(time.perf_counter() - start)
-                        report(cost)
-                        yield event, cost
+                    yield self._billed(event, ledger, start)
+            finally:
+                stream.close()
+
+        return events()
+
+    def _astream_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+        """:meth:`_stream_events` for async callers (call it on the loop that reads it): no thread per token,
+        and a consumer that stops or is cancelled frees the engine within one step."""
+        ledger = self._ledger(request)
+        start = time.perf_counter()
+        stream = self._engine.astream([request], self.timeout)
+
+        async def events() -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+            try:
+                async for event in stream:
+                    yield self._billed(event, ledger, start)
             finally:
                 stream.close()
 

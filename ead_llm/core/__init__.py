@@ -12,7 +12,8 @@ from typing import Any
 _WHERE = {
     "Completion": "ead_llm.core.request",
     "Engine": "ead_llm.core.engine",
-    "EventStream": "ead_llm.core.engine",
+    "AsyncEventStream": "ead_llm.core.streams",
+    "EventStream": "ead_llm.core.streams",
     "FinishReason": "ead_llm.core.types",
     "LoadConfig": "ead_llm.core.loading",
     "ModelPair": "ead_llm.core.loading",

@@ -19,17 +19,15 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
-import queue
 import threading
-import time
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar, overload
 
 import torch
 
-from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
+from ead_llm.accounting.ledger import Pricing
 from ead_llm.core.grammar import GrammarCompiler, apply_bitmask
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, ModelPair
@@ -41,11 +39,13 @@ from ead_llm.core.request import Completion, Prompt, PromptTooLongError, Request
 from ead_llm.core.sampler import Sampler, SamplingMetadata, stream_key
 from ead_llm.core.scheduler import DONE, WAKE, Call, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
-from ead_llm.core.types import ForwardWork, Role, TokenEvent
+from ead_llm.core.streams import AsyncEventStream, CompletionBuilder, EventStream, async_inbox
+from ead_llm.core.types import ForwardWork, Role
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import Read, RoundVerdict, TokenSample
+from ead_llm.policies.base import DraftRound, Read, RoundVerdict, TokenSample
 
 logger = logging.getLogger(__name__)
+StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)
 _ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
@@ -80,78 +80,6 @@ def warn_unknown_characters(tokenizer: Any, prompt: str) -> None:
         UserWarning,
         stacklevel=4,
     )
-
-
-def _with_text(event: TokenEvent, text: str) -> TokenEvent:
-    """``event`` with its text filled in (``dataclasses.replace`` without its per-field overhead)."""
-    filled = object.__new__(TokenEvent)
-    filled.__dict__.update(event.__dict__, text=text)
-    return filled
-
-
-class EventStream(Iterator[TokenEvent]):
-    """A call's events, interleaved across its requests and paths, as the scheduler produces them.
-
-    Detokenizes on the caller's thread the sequences the scheduler did not (those without stop
-    strings or branches). ``close()`` (or leaving a ``for`` loop early) cancels what is left and
-    frees its caches; ``cancel()`` does so from any thread, waking a reader blocked on the stream.
-    Past ``timeout_s`` it raises ``TimeoutError`` and cancels.
-    """
-
-    def __init__(
-        self,
-        engine: Engine,
-        call: Call,
-        processors: dict[int, OutputProcessor],
-        timeout_s: float | None,
-    ) -> None:
-        self._engine, self._call, self._processors = engine, call, processors
-        self._timeout_s = timeout_s
-        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._done = False
-        self._buffer: collections.deque[Any] = collections.deque()
-
-    def __iter__(self) -> EventStream:
-        return self
-
-    def __next__(self) -> TokenEvent:
-        if self._done:
-            raise StopIteration
-        while not self._buffer:
-            try:
-                wait = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
-                items = self._call.queue.get(timeout=wait)
-            except queue.Empty:
-                self.cancel()
-                raise TimeoutError(
-                    f"the call took longer than {self._timeout_s} s: raise the timeout or lower max_tokens"
-                ) from None
-            self._buffer.extend(items if isinstance(items, list) else [items])
-        item = self._buffer.popleft()
-        if item is DONE or item is WAKE:
-            self._done = True
-            raise StopIteration
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        processor = self._processors.get(item.index)
-        if processor is not None:
-            item = _with_text(item, processor.push(item.token_id, last=item.finish_reason is not None))
-        return item
-
-    def cancel(self) -> None:
-        """Stop the call's sequences (thread-safe); a reader waiting on the stream returns."""
-        if not self._done:
-            self._engine._cancel(self._call)
-
-    def close(self) -> None:
-        """Cancel what is left, if anything (the stream then ends)."""
-        self.cancel()
-        self._done = True
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            self.cancel()
 
 
 class Engine:
@@ -195,6 +123,9 @@ class Engine:
         self.load_config: LoadConfig | None = None
         """Set by the registry: how to load this pair again (pickling an object that holds the engine
         stores this instead of the weights)."""
+        self.steps = 0
+        """Engine steps run so far (a cancelled request is retired at the end of the step running when it was
+        cancelled, so it costs at most one more)."""
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -294,8 +225,8 @@ class Engine:
                 f"{budget}: lower max_tokens or raise the budget"
             )
         params = request.policy.sampling(request.sampling)
-        stream = index if request.sample_index is None else request.sample_index
-        decoder = request.policy.build_decoder(sequence_key(ids, request.sample_index or 0), call.shared)
+        stream = request.sample_index or 0  # the request's own stream, never its place in the call
+        decoder = request.policy.build_decoder(sequence_key(ids, stream), call.shared)
         text_here = bool(params.stop) or decoder.forks
         return Seq(
             call=call,
@@ -312,26 +243,49 @@ class Engine:
             grammar=None if params.constraint is None else self.grammars.start(params.constraint, len(ids)),
         )
 
-    def stream(self, requests: Sequence[Request], timeout_s: float | None = None) -> EventStream:
+    def stream(
+        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
+    ) -> EventStream:
         """Queue ``requests`` and return their events as they come (one per generated token).
 
         Everything is checked (and prompts encoded) here, before anything is queued: a bad request
         raises now, not when the stream is first read. ``timeout_s`` counts seconds from this call,
-        waiting included.
+        waiting included. A request that fails raises from the stream and cancels the rest; with
+        ``isolate`` it is recorded in ``stream.failures`` and the others go on.
         """
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        return self._open(EventStream(self, call, processors, timeout_s, isolate=isolate), call, sequences)
+
+    def astream(
+        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
+    ) -> AsyncEventStream:
+        """:meth:`stream` for async callers (call it inside the event loop that will read it): no thread per
+        item, and cancelling the task that awaits the stream cancels the requests within one step."""
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=async_inbox(call))
+        return self._open(stream, call, sequences)
+
+    def _submit(
+        self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool
+    ) -> tuple[Call, list[Seq], dict[int, OutputProcessor]]:
+        """A call for ``requests``, its sequences (checked and encoded, not queued) and the caller-side
+        detokenizers."""
         _check_requests(requests)
         if timeout_s is not None:
             check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
-        call = Call()
+        call = Call(fail_fast=not isolate)
         sequences = [self._sequence(call, i, r) for i, r in enumerate(requests)]
         processors = {
             seq.index: OutputProcessor(self.tokenizer, seq.tokens, ()) for seq in sequences if seq.output is None
         }
-        stream = EventStream(self, call, processors, timeout_s)
+        return call, sequences, processors
+
+    def _open(self, stream: StreamT, call: Call, sequences: list[Seq]) -> StreamT:
+        """Queue the call's sequences (the stream is already made, so nothing is missed)."""
         if not sequences:
             stream._done = True
             return stream
-        call.open = len(sequences)
+        call.open = {seq.index: 1 for seq in sequences}
         with self._cond:
             self.scheduler.waiting.extend(sequences)
             self._ensure_thread()
@@ -358,7 +312,14 @@ class Engine:
         with self._cond:
             call.cancelled = True
             self._cond.notify()
-        call.queue.put(WAKE)
+        call.put(WAKE)
+
+    def _fail_row(self, call: Call, index: int, exc: BaseException) -> None:
+        """Request ``index`` failed on the caller's side (its text): the scheduler drops it at its next step."""
+        with self._cond:
+            if call.live(index):
+                call.failed[index] = exc
+            self._cond.notify()
 
     def set_limits(
         self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None
@@ -399,10 +360,7 @@ class Engine:
         with self._cond:
             thread = self._thread
             self._stop.set()
-            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-                if not seq.call.failed:
-                    seq.call.failed = True
-                    seq.call.queue.put(RuntimeError("the engine was closed"))
+            self._abort(RuntimeError("the engine was closed"))
             self._cond.notify_all()
         if thread is None or thread is threading.current_thread():
             return True
@@ -425,29 +383,58 @@ class Engine:
     # -- the scheduler thread --------------------------------------------------------------------
 
     def _run(self, stop: threading.Event) -> None:
-        scheduler = self.scheduler
         with torch.inference_mode():
             while True:
-                with self._cond:
-                    while True:
-                        if stop.is_set():
-                            scheduler.drop_cancelled()
-                            return
-                        scheduler.drop_cancelled()
-                        scheduler.admit()
-                        if scheduler.running:
-                            break
-                        self._cond.wait()
                 try:
-                    self._step()
-                except Exception as exc:  # an engine fault: fail what runs, keep serving
-                    logger.exception("ead-llm engine step failed")
-                    for seq in list(scheduler.running):
-                        scheduler.fail(seq, exc)
-                with self._cond:
-                    deliveries = scheduler.finish_step()
-                for call, items in deliveries.items():
-                    call.queue.put(items)  # one hand-over per caller per step
+                    if not self._serve_once(stop):
+                        return
+                except Exception as exc:  # admission or retirement broke: fail what runs or waits, serve on
+                    logger.exception("ead-llm scheduler fault; failing the requests in flight")
+                    with self._cond:
+                        self._abort(exc)
+
+    def _serve_once(self, stop: threading.Event) -> bool:
+        """Wait for work, run one step, deliver its items; False once the engine is stopping."""
+        scheduler = self.scheduler
+        with self._cond:
+            while True:
+                scheduler.drop_cancelled()
+                if stop.is_set():
+                    return False
+                scheduler.admit()
+                if scheduler.running or scheduler.has_deliveries:
+                    break
+                self._cond.wait()
+        if scheduler.running:
+            try:
+                self._step()
+            except Exception as exc:  # a fault outside any row: fail what runs, keep serving
+                logger.exception("ead-llm engine step failed")
+                for seq in list(scheduler.running):
+                    scheduler.fail(seq, exc)
+            self.steps += 1
+        with self._cond:
+            deliveries = scheduler.finish_step()
+        for call, items in deliveries.items():
+            call.put(items)  # one hand-over per caller per step
+        return True
+
+    def _abort(self, exc: BaseException) -> None:
+        """Fail every running and waiting request with ``exc``, tell their callers, and start the caches
+        afresh (call with the lock held). Used when the engine closes or its own bookkeeping broke."""
+        scheduler = self.scheduler
+        calls = {seq.call: None for seq in [*scheduler.running, *scheduler.waiting]}
+        scheduler.fail_all(exc)
+        outbox = scheduler.take_outbox()
+        scheduler.running, scheduler.waiting = [], collections.deque()
+        for cache in self.caches.values():
+            cache.clear()
+        for call, item in outbox:
+            call.put([item])
+        for call in calls:
+            if not call.closed:
+                call.closed = True
+                call.put([DONE])
 
     def _step(self) -> None:
         for role, rows in self.scheduler.schedule():
@@ -485,48 +472,80 @@ class Engine:
             except Exception as exc:  # this request fails; everyone else carries on
                 self.scheduler.fail(seq, exc)
 
+    def _per_row(self, seqs: list[Seq], run: Callable[[list[int]], None]) -> None:
+        """``run`` a batched stage over every row of ``seqs`` (it records its results only once it succeeds);
+        if it raises, over each row alone, so that a row that still fails fails its own request only."""
+        try:
+            run(list(range(len(seqs))))
+        except Exception:
+            if len(seqs) == 1:
+                raise
+            for b in range(len(seqs)):
+                try:
+                    run([b])
+                except Exception as exc:
+                    self.scheduler.fail(seqs[b], exc)
+
     def _sample(self, role: Role, seqs: list[Seq], out: RunnerOutput, rows: list[int], pending: _Pending) -> None:
         logits = out.last_rows(rows)  # [B, V]
+        raw = entropy_bits(logits) if not self.entropy_after_mask and any(s.grammar for s in seqs) else None
+        self._constrain(logits, seqs)
+
+        def run(part: list[int]) -> None:
+            whole = len(part) == len(seqs)
+            chosen = [seqs[b] for b in part]
+            rows_logits = logits if whole else logits[part]  # [b, V]
+            meta = SamplingMetadata.build(
+                [(q.params.temperature, q.params.top_k, q.params.top_p, q.key, len(q.tokens)) for q in chosen],
+                logits.device,
+            )
+            sampled = self.sampler(rows_logits, meta)
+            entropy = sampled.entropy_bits if raw is None else raw if whole else raw[part]
+            columns = [sampled.tokens, entropy]
+            branching = any(q.decoder.branch_stats for q in chosen)
+            if branching:
+                columns += [*top_two(rows_logits), self._branch_entropy(rows_logits, chosen)]
+
+            def finish(host: list[list[float]]) -> list[tuple[int, TokenSample]]:
+                tokens, entropies = host[0], host[1]
+                extra = host[2:] if branching else None
+                return [
+                    (
+                        rows[b],
+                        TokenSample(
+                            role=role,
+                            token=int(tokens[j]),
+                            entropy=entropies[j],
+                            logits=logits[b],
+                            top2=(int(extra[0][j]), int(extra[1][j])) if extra is not None else None,
+                            top_k_nats=extra[2][j] if extra is not None else None,
+                        ),
+                    )
+                    for j, b in enumerate(part)
+                ]
+
+            pending.add(columns, finish)
+
+        self._per_row(seqs, run)
+
+    def _masks(self, seqs: list[Seq]) -> torch.Tensor:
+        """``[N, W]`` bitmasks of the next token of ``seqs`` (all constrained); a row whose grammar fails fails its
+        request (its row of the mask allows everything: nothing reads it)."""
         grammars = [seq.grammar for seq in seqs]
-        raw = entropy_bits(logits) if not self.entropy_after_mask and any(grammars) else None
-        self._constrain(logits, grammars)
-        meta = SamplingMetadata.build(
-            [(seq.params.temperature, seq.params.top_k, seq.params.top_p, seq.key, len(seq.tokens)) for seq in seqs],
-            logits.device,
-        )
-        sampled = self.sampler(logits, meta)
-        columns = [sampled.tokens, sampled.entropy_bits if raw is None else raw]
-        stats = [seq.decoder.branch_stats for seq in seqs]
-        branching = any(stats)
-        if branching:
-            columns += [*top_two(logits), self._branch_entropy(logits, seqs)]
+        assert all(g is not None for g in grammars)
+        bitmask, failures = self.grammars.masks(grammars)  # type: ignore[arg-type]
+        for j, exc in failures.items():
+            self.scheduler.fail(seqs[j], exc)
+        return bitmask
 
-        def finish(host: list[list[float]]) -> list[tuple[int, TokenSample]]:
-            tokens, entropy = host[0], host[1]
-            extra = host[2:] if branching else None
-            results = []
-            for b, i in enumerate(rows):
-                sample = TokenSample(
-                    role=role,
-                    token=int(tokens[b]),
-                    entropy=entropy[b],
-                    logits=logits[b],
-                    top2=(int(extra[0][b]), int(extra[1][b])) if extra is not None else None,
-                    top_k_nats=extra[2][b] if extra is not None else None,
-                )
-                results.append((i, sample))
-            return results
-
-        pending.add(columns, finish)
-
-    def _constrain(self, logits: torch.Tensor, grammars: list[Any]) -> None:
+    def _constrain(self, logits: torch.Tensor, seqs: list[Seq]) -> None:
         """Constrained rows of ``logits`` ``[N, V]`` lose the tokens their grammar forbids (in place), before
         anything reads them: sampling, entropy (so EAD sees the uncertainty among allowed tokens) and drafts."""
-        rows = [i for i, g in enumerate(grammars) if g is not None]
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
         if not rows:
             return
-        bitmask = self.grammars.masks([grammars[i] for i in rows])
-        if len(rows) == len(grammars):
+        bitmask = self._masks([seqs[i] for i in rows])
+        if len(rows) == len(seqs):
             apply_bitmask(logits, bitmask)
         else:
             index = torch.tensor(rows, device=logits.device)
@@ -547,86 +566,106 @@ class Engine:
         return out
 
     def _verify(self, seqs: list[Seq], out: RunnerOutput, rows: list[int], pending: _Pending) -> None:
-        rounds = [seq.decoder.draft_round(seq) for seq in seqs]
-        gamma = max(len(r.tokens) for r in rounds)
+        rounds: dict[int, DraftRound] = {}
+        for b, seq in enumerate(seqs):
+            try:
+                rounds[b] = seq.decoder.draft_round(seq)
+            except Exception as exc:  # a broken round fails its own request
+                self.scheduler.fail(seq, exc)
+        live = [b for b in range(len(seqs)) if b in rounds]
+        if not live:
+            return
+        seqs, rows, judged = [seqs[b] for b in live], [rows[b] for b in live], [rounds[b] for b in live]
+        gamma = max(len(r.tokens) for r in judged)
         target = out.padded_rows(rows, gamma + 1)  # [R, G+1, V]
-        self._constrain_rounds(target, seqs, rounds)
-        vocab = target.shape[-1]
-        device = target.device
+        self._constrain_rounds(target, seqs, judged)
+
+        def run(part: list[int]) -> None:
+            verdict = verify(
+                self._verify_batch([seqs[b] for b in part], [judged[b] for b in part], target[part], gamma)
+            )
+
+            def finish(host: list[list[float]]) -> list[tuple[int, RoundVerdict]]:
+                accepted, token, rejected, entropy = host
+                width = gamma + 1
+                return [
+                    (
+                        rows[b],
+                        RoundVerdict(
+                            accepted=int(accepted[j]),
+                            token=None if token[j] < 0 else int(token[j]),
+                            entropy_rejection=bool(rejected[j]),
+                            target_entropy=tuple(entropy[j * width : (j + 1) * width]),
+                        ),
+                    )
+                    for j, b in enumerate(part)
+                ]
+
+            pending.add([verdict.accepted, verdict.token, verdict.entropy_rejection, verdict.target_entropy], finish)
+
+        self._per_row(seqs, run)
+
+    @staticmethod
+    def _verify_batch(seqs: list[Seq], rounds: list[DraftRound], target: torch.Tensor, gamma: int) -> VerifyBatch:
+        """The rejection sampler's input for ``rounds`` (padded to ``gamma`` drafts), ``target`` ``[R, G+1, V]``."""
+        vocab, device = target.shape[-1], target.device
         filler = torch.zeros(vocab, device=device)
         draft_logits = (
-            torch.stack(
-                [torch.stack([*r.logits, *[filler] * (gamma - len(r.tokens))]) if gamma else filler[:0] for r in rounds]
-            )
+            torch.stack([torch.stack([*r.logits, *[filler] * (gamma - len(r.tokens))]) for r in rounds])
             if gamma
             else torch.zeros((len(rounds), 0, vocab), device=device)
         )
         sampled = [seq.params.temperature > 0 for seq in seqs]
-        batch = VerifyBatch(
-            draft_tokens=torch.tensor([[*r.tokens, *[0] * (gamma - len(r.tokens))] for r in rounds], device=device)
-            .long()
-            .reshape(len(rounds), gamma),
-            num_drafts=torch.tensor([len(r.tokens) for r in rounds], dtype=torch.long, device=device),
+
+        def column(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return VerifyBatch(
+            draft_tokens=column([[*r.tokens, *[0] * (gamma - len(r.tokens))] for r in rounds], torch.long).reshape(
+                len(rounds), gamma
+            ),
+            num_drafts=column([len(r.tokens) for r in rounds], torch.long),
             draft_logits=draft_logits,
-            draft_entropy=torch.tensor(
-                [[*r.entropies, *[0.0] * (gamma - len(r.tokens))] for r in rounds], dtype=torch.float32, device=device
+            draft_entropy=column(
+                [[*r.entropies, *[0.0] * (gamma - len(r.tokens))] for r in rounds], torch.float32
             ).reshape(len(rounds), gamma),
             target_logits=target,
-            temperature=torch.tensor([seq.params.temperature for seq in seqs], dtype=torch.float32, device=device),
-            top_k=torch.tensor([seq.params.top_k for seq in seqs], dtype=torch.long, device=device),
-            top_p=torch.tensor([seq.params.top_p for seq in seqs], dtype=torch.float32, device=device),
-            keys=torch.tensor([seq.key for seq in seqs], dtype=torch.long, device=device),
-            positions=torch.tensor([r.first_position for r in rounds], dtype=torch.long, device=device),
-            entropy_threshold=torch.tensor([r.entropy_threshold for r in rounds], dtype=torch.float32, device=device),
-            top_n=torch.tensor([r.top_n for r in rounds], dtype=torch.long, device=device),
-            overlap_threshold=torch.tensor([r.overlap_threshold for r in rounds], dtype=torch.float32, device=device),
-            oracle=torch.tensor([r.oracle for r in rounds], dtype=torch.bool, device=device),
+            temperature=column([seq.params.temperature for seq in seqs], torch.float32),
+            top_k=column([seq.params.top_k for seq in seqs], torch.long),
+            top_p=column([seq.params.top_p for seq in seqs], torch.float32),
+            keys=column([seq.key for seq in seqs], torch.long),
+            positions=column([r.first_position for r in rounds], torch.long),
+            entropy_threshold=column([r.entropy_threshold for r in rounds], torch.float32),
+            top_n=column([r.top_n for r in rounds], torch.long),
+            overlap_threshold=column([r.overlap_threshold for r in rounds], torch.float32),
+            oracle=column([r.oracle for r in rounds], torch.bool),
             max_top_k=max((seq.params.top_k for seq, s in zip(seqs, sampled, strict=True) if s), default=0),
             any_top_p=any(seq.params.top_p < 1.0 for seq, s in zip(seqs, sampled, strict=True) if s),
             max_top_n=max((r.top_n for r in rounds if r.entropy_threshold != float("inf")), default=1),
             any_sampled=any(sampled),
             any_entropy_rule=any(r.entropy_threshold != float("inf") for r in rounds),
         )
-        verdict = verify(batch)
 
-        def finish(host: list[list[float]]) -> list[tuple[int, RoundVerdict]]:
-            accepted, token, rejected, entropy = host
-            results = []
-            for b, i in enumerate(rows):
-                width = gamma + 1
-                results.append(
-                    (
-                        i,
-                        RoundVerdict(
-                            accepted=int(accepted[b]),
-                            token=None if token[b] < 0 else int(token[b]),
-                            entropy_rejection=bool(rejected[b]),
-                            target_entropy=tuple(entropy[b * width : (b + 1) * width]),
-                        ),
-                    )
-                )
-            return results
-
-        pending.add([verdict.accepted, verdict.token, verdict.entropy_rejection, verdict.target_entropy], finish)
-
-    def _constrain_rounds(self, target: torch.Tensor, seqs: list[Seq], rounds: list[Any]) -> None:
+    def _constrain_rounds(self, target: torch.Tensor, seqs: list[Seq], rounds: list[DraftRound]) -> None:
         """The large model's logits ``[R, G+1, V]`` of constrained rounds under the masks their drafts were
-        drawn under (kept per position), and, after the drafts, the grammar's mask where it stands now."""
-        grammars = {b: seq.grammar for b, seq in enumerate(seqs) if seq.grammar is not None}
-        constrained = list(grammars)
+        drawn under (kept per position), and, after the drafts, the grammar's mask where it stands now. A round
+        whose kept masks are missing fails its request."""
+        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
         if not constrained:
             return
         width = target.shape[1]
-        now = self.grammars.masks(list(grammars.values()))
+        now = self._masks([seqs[b] for b in constrained])
         words = now.shape[1]
         bitmask = torch.full((len(constrained), width, words), -1, dtype=torch.int32)
         for j, b in enumerate(constrained):
-            grammar, first, drafts = grammars[b], rounds[b].first_position, len(rounds[b].tokens)
-            for d in range(drafts):
-                kept = grammar.mask_at(first + d)
-                if kept is None:
-                    raise RuntimeError(f"no grammar mask kept for the draft at position {first + d}")
-                bitmask[j, d] = kept
+            grammar, first, drafts = seqs[b].grammar, rounds[b].first_position, len(rounds[b].tokens)
+            assert grammar is not None
+            kept = [grammar.mask_at(first + d) for d in range(drafts)]
+            if any(mask is None for mask in kept):
+                self.scheduler.fail(seqs[b], RuntimeError(f"no grammar mask kept for a draft after position {first}"))
+                continue
+            if kept:
+                bitmask[j, :drafts] = torch.stack(kept)  # type: ignore[arg-type]
             bitmask[j, drafts:] = now[j]
         index = torch.tensor(constrained, device=target.device)
         part = target.index_select(0, index)
@@ -635,76 +674,91 @@ class Engine:
 
     # -- the one result type -----------------------------------------------------------------------
 
+    @overload
     def generate(
-        self, requests: Sequence[Request], pricing: Pricing | None = None, timeout_s: float | None = None
-    ) -> list[Completion]:
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+
+    @overload
+    def generate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[Completion | BaseException]: ...
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
         """Run requests to completion and return one :class:`Completion` per request, in order.
 
-        With ``timeout_s``, a call still running after that many seconds raises ``TimeoutError``;
-        its sequences' caches are freed.
+        A request that fails raises (the others are cancelled); with ``return_exceptions`` its error takes
+        its place in the list and the others finish as they would alone. With ``timeout_s``, a call still
+        running after that many seconds raises ``TimeoutError``; its sequences' caches are freed.
         """
-        _check_requests(requests)
-        start = time.perf_counter()
-        info = (self.pair.small.info, self.pair.large.info)
-        ledgers: dict[tuple[int, int], CompletionLedger] = {}
-        events: dict[tuple[int, int], list[TokenEvent]] = {}
-        done: dict[int, float] = {}
-        stream = self.stream(requests, timeout_s)
+        builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
+        stream = self.stream(requests, timeout_s, isolate=return_exceptions)
         try:
             for event in stream:
-                key = (event.index, event.path)
-                if key not in ledgers:  # a branched path's events report no prompt: it shares the prefill
-                    counters = requests[event.index].policy.counters()
-                    ledgers[key] = CompletionLedger(*info, pricing=pricing, counters=counters)
-                    events[key] = []
-                ledgers[key].record(event)
-                events[key].append(event)
-                if event.finish_reason is not None:
-                    done[event.index] = time.perf_counter() - start
+                builder.record(event)
         finally:
             stream.close()
-        out = []
-        for i, request in enumerate(requests):
-            paths = sorted(path for index, path in events if index == i)
-            full = {p: _full_path(events, i, p) for p in paths}
-            costs = [ledgers[(i, p)].cost(done[i]) for p in paths]
-            cost = costs[0] if len(costs) == 1 else Cost.total(costs, wall_time_s=done[i])
-            chosen, votes = request.policy.select(["".join(e.text for e in full[p]) for p in paths])
-            out.append(_completion(i, full[paths[chosen]], cost, paths[chosen], len(paths), votes))
-        return out
+        return builder.results(stream.failures)
+
+    @overload
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+
+    @overload
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[Completion | BaseException]: ...
+
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
+        """:meth:`generate` for async callers: cancelling the awaiting task (``asyncio.wait_for``, a client that
+        left) stops the requests within one engine step and frees their caches."""
+        builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
+        stream = self.astream(requests, timeout_s, isolate=return_exceptions)
+        try:
+            async for event in stream:
+                builder.record(event)
+        finally:
+            stream.close()
+        return builder.results(stream.failures)
 
 
 def _rank(work: ForwardWork, read: Read) -> int:
     return 2 if read.verify else 0 if work.tokens > 1 else 1
-
-
-def _full_path(events: dict[tuple[int, int], list[TokenEvent]], index: int, path: int) -> list[TokenEvent]:
-    """A path's events preceded by those it shares with its parents (a branched path's prefix)."""
-    own = events[(index, path)]
-    origin = own[0].branched_from
-    if origin is None:
-        return own
-    parent, shared = origin
-    return [*_full_path(events, index, parent)[:shared], *own]
-
-
-def _completion(
-    index: int, events: list[TokenEvent], cost: Cost, path: int, paths: int, votes: dict[str, int] | None
-) -> Completion:
-    finish = events[-1].finish_reason
-    assert finish is not None
-    return Completion(
-        index=index,
-        text="".join(e.text for e in events),
-        token_ids=tuple(e.token_id for e in events),
-        roles=tuple(e.role for e in events),
-        entropies=tuple(e.entropy for e in events),
-        finish_reason=finish,
-        cost=cost,
-        path=path,
-        paths=paths,
-        votes=votes,
-    )
 
 
 class _Pending:

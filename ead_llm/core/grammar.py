@@ -210,24 +210,39 @@ class GrammarCompiler:
             )
         return SequenceGrammar(matcher, length, self.eos)
 
-    def masks(self, grammars: list[SequenceGrammar]) -> torch.Tensor:
-        """``[N, W]`` int32 bitmasks of each grammar's next token; kept by each grammar for its position."""
-        out = torch.empty((len(grammars), self.words), dtype=torch.int32)
+    def masks(self, grammars: list[SequenceGrammar]) -> tuple[torch.Tensor, dict[int, Exception]]:
+        """``[N, W]`` int32 bitmasks of each grammar's next token (kept by each grammar for its position), and the
+        rows whose matcher failed, with the error (their mask allows every token; the caller fails them)."""
+        out = torch.full((len(grammars), self.words), -1, dtype=torch.int32)
         need = [i for i, g in enumerate(grammars) if g.length not in g.cached]
         for i, g in enumerate(grammars):
             if g.length in g.cached:
                 out[i] = g.cached[g.length]
-        if len(need) == 1:
-            row = out[need[0]]
-            grammars[need[0]].matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.words * 4)
-        elif need:
-            self._executor.unsafe_compute_mask_ptr(
-                [(grammars[i].matcher, i) for i in need], out.data_ptr(), self.words * 4, len(grammars)
-            )
+        failures: dict[int, Exception] = {}
+        try:
+            if len(need) == 1:
+                grammars[need[0]].matcher.unsafe_compute_mask_ptr(out[need[0]].data_ptr(), self.words * 4)
+            elif need:
+                self._executor.unsafe_compute_mask_ptr(
+                    [(grammars[i].matcher, i) for i in need], out.data_ptr(), self.words * 4, len(grammars)
+                )
+        except Exception:  # one matcher broke the batch: compute each alone to find which
+            for i in need:
+                try:
+                    grammars[i].matcher.unsafe_compute_mask_ptr(out[i].data_ptr(), self.words * 4)
+                except Exception as exc:
+                    failures[i] = exc
         for i in need:
-            grammars[i].check()
-            grammars[i].cached[grammars[i].length] = out[i].clone()
-        return out
+            if i not in failures:
+                try:
+                    grammars[i].check()
+                except ConstraintViolation as exc:
+                    failures[i] = exc
+            if i in failures:
+                out[i] = -1
+            else:
+                grammars[i].cached[grammars[i].length] = out[i].clone()
+        return out, failures
 
 
 class SequenceGrammar:

@@ -151,9 +151,13 @@ class KVCache:
     def trim(self) -> None:
         """Release the storage when no sequence holds a block (memory follows the tokens held)."""
         if self.pool.used == 0:
-            self.pool.reset()
-            self.keys = [None] * self.layers
-            self.values = [None] * self.layers
+            self.clear()
+
+    def clear(self) -> None:
+        """Forget every block and the storage (after a fault failed every sequence: nothing is held)."""
+        self.pool.reset()
+        self.keys = [None] * self.layers
+        self.values = [None] * self.layers
 
     @property
     def tokens_held(self) -> int:

@@ -81,8 +81,9 @@ class Request:
     policy: Policy
     sampling: SamplingParams = field(default_factory=SamplingParams)
     sample_index: int | None = None
-    """Which of the seed's random streams this request draws from; None: its position in the call.
-    (The k-th of n samples of one prompt uses stream k, whichever way the n are asked for.)"""
+    """Which of the seed's random streams this request draws from (None: stream 0). The k-th of n samples
+    of one prompt uses stream k, whichever way the n are asked for; a request's place in its call never
+    matters, so a prompt gives the same text alone or anywhere in a batch."""
 
     def __post_init__(self) -> None:
         if isinstance(self.prompt, str):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import queue
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,31 +21,68 @@ from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.request import SamplingParams
 from ead_llm.core.sampler import fork_key
-from ead_llm.core.types import Action, Draft, Emit, FinishReason, Fork, ForwardWork, Role, Rollback, TokenEvent
+from ead_llm.core.types import (
+    Action,
+    Draft,
+    Emit,
+    FinishReason,
+    Fork,
+    ForwardWork,
+    Role,
+    Rollback,
+    RowFailure,
+    TokenEvent,
+)
 from ead_llm.policies.base import Decoder, Read
 
 if TYPE_CHECKING:
     from ead_llm.core.grammar import SequenceGrammar
 
 DONE = object()
-"""Put on a call's queue after its last event, once every path of every request has finished."""
+"""Delivered after a call's last item, once every request has finished or failed."""
 WAKE = object()
-"""Put on a call's queue to wake a reader blocked on it (the call was cancelled)."""
+"""Delivered to wake a reader blocked on a call (the call was cancelled)."""
 
 
 @dataclass(eq=False)
 class Call:
-    """One caller's requests: the scheduler puts their events (or a failure) on ``queue``."""
+    """One caller's requests: the scheduler hands their events, failures and the end marker to ``deliver``."""
 
     queue: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    deliver: Callable[[Any], None] | None = None
+    """Where deliveries go (an event loop's queue, for async callers); None: ``queue``."""
     cancelled: bool = False
-    failed: bool = False
-    open: int = 0
-    """Paths not yet finished (requests, plus the paths branched off them)."""
+    fail_fast: bool = True
+    """A request's failure ends the whole call (its caller raises); False: the other requests carry on."""
+    failed: dict[int, BaseException] = field(default_factory=dict)
+    """Requests (by index) that failed; the others carry on."""
+    open: dict[int, int] = field(default_factory=dict)
+    """Paths not yet finished per request index (its first path, plus those branched off it)."""
+    closed: bool = False
+    """Whether the end marker was delivered."""
     paths: dict[int, int] = field(default_factory=dict)
     """Paths started per request index."""
     shared: dict[str, Any] = field(default_factory=dict)
     """State the call's decoders share (EAGER's budget)."""
+
+    def put(self, items: Any) -> None:
+        """Hand ``items`` to the caller (thread-safe); a caller that is gone is cancelled."""
+        if self.deliver is None:
+            self.queue.put(items)
+            return
+        try:
+            self.deliver(items)
+        except RuntimeError:  # its event loop is closed: nobody will read this call again
+            self.cancelled = True
+
+    def live(self, index: int) -> bool:
+        """Whether request ``index`` may still run (not cancelled, not failed)."""
+        return not self.cancelled and index not in self.failed
+
+    @property
+    def complete(self) -> bool:
+        """Every request has finished or failed."""
+        return not any(self.open.values())
 
 
 @dataclass(eq=False)
@@ -83,6 +121,11 @@ class Sequence:
     def is_end(self, token: int) -> bool:
         return token in self.eos and not self.params.ignore_eos
 
+    @property
+    def live(self) -> bool:
+        """Its request may still run (neither cancelled nor failed)."""
+        return self.call.live(self.index)
+
 
 class Scheduler:
     """See the module docstring. Callers' threads touch only ``waiting`` and call flags, under the
@@ -99,16 +142,35 @@ class Scheduler:
         self.peak_running = 0
         self._admissions = 0
         self._outbox: list[tuple[Call, Any]] = []
+        self._touched: dict[Call, None] = {}
+        """Calls whose sequences were retired since the last ``finish_step`` (one may now be complete)."""
         self._forks: list[tuple[Sequence, Fork]] = []
 
     # -- admission (under the engine's lock) ------------------------------------------------------
 
     def drop_cancelled(self) -> None:
-        for seq in [s for s in self.running if s.call.cancelled or s.call.failed]:
-            seq.finished = True
-            self._release(seq)
+        """Retire the sequences of cancelled calls and failed requests (their blocks freed)."""
+        if not any(not seq.live for seq in [*self.running, *self.waiting]):
+            return
+        for seq in [*self.running, *self.waiting]:
+            if not seq.live:
+                seq.finished = True
+                self._release(seq)
+                self._touched[seq.call] = None
+                if seq.index in seq.call.failed:
+                    seq.call.open[seq.index] = 0
         self.running = [s for s in self.running if not s.finished]
-        self.waiting = deque(s for s in self.waiting if not (s.call.cancelled or s.call.failed))
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+
+    @property
+    def has_deliveries(self) -> bool:
+        """Whether ``finish_step`` has something to hand over even with nothing running."""
+        return bool(self._outbox or self._touched)
+
+    def take_outbox(self) -> list[tuple[Call, Any]]:
+        """The items not yet delivered (the outbox is emptied)."""
+        outbox, self._outbox, self._touched = self._outbox, [], {}
+        return outbox
 
     def admit(self) -> None:
         """Move waiting sequences into the running set, first come first served, while ``max_batch``
@@ -201,33 +263,48 @@ class Scheduler:
             self._emit(child, fork.token, fork.role, fork.entropy, fork.counters)
 
     def fail(self, seq: Sequence, exc: BaseException) -> None:
-        """End ``seq`` and hand ``exc`` to its caller (once per call); its blocks are freed at retirement."""
+        """End ``seq``'s request (all its paths) and hand ``exc`` to its caller, once; the call's other requests
+        carry on. Blocks are freed at retirement. A request that already finished or failed is left as it is."""
         seq.finished = True
+        call = seq.call
+        if not seq.live or not call.open.get(seq.index):
+            return
+        call.failed[seq.index] = exc
+        call.open[seq.index] = 0
         self.failed_requests += 1
-        if not seq.call.failed:
-            seq.call.failed = True
-            self._outbox.append((seq.call, exc))
+        self._outbox.append((call, RowFailure(seq.index, exc)))
+        if call.fail_fast:  # its caller raises now: the rest of the call retires with this step
+            call.cancelled = True
+
+    def fail_all(self, exc: BaseException) -> None:
+        """A fault outside any row: every running and waiting request fails with ``exc``."""
+        for seq in [*self.running, *self.waiting]:
+            self.fail(seq, exc)
 
     def fork_room(self) -> ForkRoom:
         return ForkRoom(self)
 
     def finish_step(self) -> dict[Call, list[Any]]:
-        """Retire what finished or belongs to a failed or cancelled call (its blocks freed), then return
-        the step's deliveries per call, in order: events, an error, and the end marker of a call whose
-        last path just finished. (So a caller that has its answer finds the engine's load without it.)"""
-        self.waiting = deque(s for s in self.waiting if not (s.call.cancelled or s.call.failed))
+        """Retire what finished or belongs to a failed request or a cancelled call (its blocks freed), then
+        return the step's deliveries per call, in order: events and failures, then the end marker of a call
+        whose last request just ended. (So a caller that has its answer finds the engine's load without it.)"""
+        self.drop_cancelled()
         for seq in self.running:
-            if seq.finished or seq.call.failed or seq.call.cancelled:
-                seq.finished = True
+            if seq.finished:
                 self._release(seq)
         self.running = [s for s in self.running if not s.finished]
+        touched = self._touched
         out: dict[Call, list[Any]] = {}
-        for call, item in self._outbox:
+        for call, item in self.take_outbox():
             out.setdefault(call, []).append(item)
-        self._outbox = []
-        for call, items in out.items():
-            if call.open == 0 and not call.failed and isinstance(items[-1], TokenEvent):
-                items.append(DONE)
+        for call in touched:
+            out.setdefault(call, [])
+        for call in list(out):
+            if not call.closed and not call.cancelled and call.complete:
+                out[call].append(DONE)
+                call.closed = True
+            if not out[call]:
+                del out[call]
         if not self.running:
             for cache in self.caches.values():
                 cache.trim()
@@ -276,7 +353,7 @@ class Scheduler:
         seq.pending_work = []
         if finish is not None:
             seq.finished = True
-            seq.call.open -= 1
+            seq.call.open[seq.index] -= 1
         self._outbox.append((seq.call, event))
 
     def _fork(self, parent: Sequence) -> Sequence:
@@ -301,7 +378,7 @@ class Scheduler:
             branched_from=(parent.path, parent.generated),
             grammar=None if parent.grammar is None else parent.grammar.fork(),
         )
-        call.open += 1
+        call.open[parent.index] += 1
         self.running.append(child)
         self.peak_running = max(self.peak_running, len(self.running))
         return child

@@ -68,6 +68,14 @@ class TokenEvent:
     continues the first ``tokens`` generated tokens of its parent."""
 
 
+@dataclass(frozen=True)
+class RowFailure:
+    """Request ``index`` of a call failed with ``error`` (its other requests carry on)."""
+
+    index: int
+    error: BaseException
+
+
 # -- what a decoder asks the scheduler to do with a sequence (policies/base.py's Decoder returns them)
 
 

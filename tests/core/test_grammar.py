@@ -14,11 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.core.engine import Engine, _full_path
+from ead_llm.core.engine import Engine
 from ead_llm.core.grammar import Constraint, apply_bitmask, mask_words
 from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
 from ead_llm.core.ops import entropy_bits
 from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.streams import _full_path
 from ead_llm.core.types import FinishReason
 from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 
@@ -215,7 +216,7 @@ def test_entropy_is_taken_after_the_mask(engine: Engine, bpe_pair: ModelPair) ->
         logits = bpe_pair.large.model(torch.tensor([ids])).logits[0, -1:].float()
     grammar = engine.grammars.start(constraint, len(ids))
     masked = logits.clone()
-    apply_bitmask(masked, engine.grammars.masks([grammar]))
+    apply_bitmask(masked, engine.grammars.masks([grammar])[0])
     assert out.entropies[0] == pytest.approx(float(entropy_bits(masked)[0]), abs=1e-4)
     assert out.entropies[0] < float(entropy_bits(logits)[0])
 
