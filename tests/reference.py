@@ -37,23 +37,21 @@ def reference_greedy(
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution one row ``[V]`` must be drawn from, written out plainly (float64, a loop per token):
-    temperature; top-k keeps every token at least as likely as the k-th; top-p then keeps every token
+    """The distribution one row ``[V]`` must be drawn from, written out plainly (float64, one step per distinct
+    value): temperature; top-k keeps every token at least as likely as the k-th; top-p then keeps every token
     whose strictly more likely (kept) tokens hold less than ``top_p`` of the kept mass."""
     z = logits.double() / temperature
     z = z - z.max()
-    keep = [True] * len(z)
+    keep = torch.ones_like(z, dtype=torch.bool)
     if 0 < top_k < len(z):
         kth = sorted(z.tolist(), reverse=True)[top_k - 1]
-        keep = [value >= kth for value in z.tolist()]
-    w = [float(torch.exp(value)) if kept else 0.0 for value, kept in zip(z, keep, strict=True)]
+        keep = z >= kth
+    w = torch.where(keep, torch.exp(z), 0.0)
     if top_p < 1.0:
-        total = sum(w)
-        values = z.tolist()
-        keep = [
-            kept and sum(w[j] for j in range(len(w)) if values[j] > values[i]) < top_p * total
-            for i, kept in enumerate(keep)
-        ]
-        w = [weight if kept else 0.0 for weight, kept in zip(w, keep, strict=True)]
-    out = torch.tensor(w, dtype=torch.float64)
-    return (out / out.sum()).float()
+        total = float(w.sum())
+        for value in set(z[keep].tolist()):
+            strictly_more_likely = float(w[z > value].sum())
+            if strictly_more_likely >= top_p * total:
+                keep &= z != value
+        w = torch.where(keep, w, 0.0)
+    return (w / w.sum()).float()

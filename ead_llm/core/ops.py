@@ -36,6 +36,11 @@ def apply_temperature(logits: torch.Tensor, temperature: float | torch.Tensor) -
     return shifted / temperature
 
 
+CANDIDATES = 64
+"""The most likely tokens a row's filter is first worked out on (at least its top-k): a nucleus whose edge lies
+among them needs no sort of the vocabulary."""
+
+
 def top_k_filter(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
     """``scaled`` ``[B, V]`` with each row's tokens below its ``top_k``-th largest value set to -inf (``top_k`` ``[B]``,
     0 keeps the row; ``max_top_k``: the largest of them). Ties at the cut are kept: a row keeps every token as
@@ -49,24 +54,114 @@ def top_k_filter(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> t
 
 
 def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Nucleus filter on [..., V]: keep each token whose strictly more likely tokens hold less than ``p`` of the
-    mass (``p`` a float, or per row a tensor such as [B, 1]). That is the smallest set of most likely tokens
-    reaching ``p``, with ties at its edge kept together: the kept set is a function of the values alone. The
-    most likely tokens are always kept; ``p >= 1`` keeps every token. Masses are summed in float64."""
+    """Nucleus filter on [..., V] (by a sort of the vocabulary; the engine's filter is :func:`filter_logits`):
+    keep each token whose strictly more likely tokens hold less than ``p`` of the mass (``p`` a float, or per
+    row a tensor such as [B, 1]). That is the smallest set of most likely tokens reaching ``p``, with ties at
+    its edge kept together. The most likely tokens are always kept; ``p >= 1`` keeps every token."""
     if isinstance(p, (int, float)) and p >= 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [..., V]
-    probs = torch.softmax(sorted_logits.double(), dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of the tokens sorted before each
-    # the mass strictly more likely than a token is ``before`` at the first token of its tie group
-    starts = torch.ones_like(sorted_logits, dtype=torch.bool)
-    starts[..., 1:] = sorted_logits[..., 1:] != sorted_logits[..., :-1]
-    index = torch.arange(sorted_logits.shape[-1], device=logits.device).expand_as(sorted_logits)
-    first = torch.where(starts, index, 0).cummax(dim=-1).values
-    threshold = torch.as_tensor(p, dtype=torch.float64, device=logits.device)
-    drop_sorted = (before.gather(-1, first) >= threshold) & (threshold < 1.0)
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
+    weights = torch.exp(sorted_logits - sorted_logits[..., :1])
+    top_p = torch.as_tensor(p, device=logits.device)
+    if top_p.dim() == logits.dim():  # per row as [..., 1]
+        top_p = top_p.squeeze(-1)
+    floor = _nucleus_floor(
+        sorted_logits, weights, weights.sum(-1, dtype=torch.float64), top_p.expand(logits.shape[:-1])
+    )
+    return logits.masked_fill(logits < floor[..., None], float("-inf"))
+
+
+def _nucleus_floor(
+    values: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The smallest value a nucleus keeps, from a row's values sorted in descending order ``[..., C]`` (its C most
+    likely, or all), their weights (float32, as the caller computes them) and the row's total weight (float64):
+    the last value whose strictly more likely tokens hold less than ``top_p`` of ``total``. NaN where the edge
+    lies past the C values given (the caller looks further); -inf where ``top_p >= 1``."""
+    before = torch.cumsum(weights.double(), dim=-1) - weights.double()  # mass sorted before each
+    starts = torch.ones_like(values, dtype=torch.bool)
+    starts[..., 1:] = values[..., 1:] != values[..., :-1]
+    index = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    first = torch.where(starts, index, 0).cummax(dim=-1).values  # the first position of each value's tie group
+    threshold = (top_p.to(torch.float64) * total)[..., None]
+    dropped = before.gather(-1, first) >= threshold  # [..., C]: monotone, False then True
+    kept = (~dropped).sum(-1, keepdim=True)  # positions kept (>= 1: the top group's mass before it is 0)
+    floor = values.gather(-1, (kept - 1).clamp(min=0)).squeeze(-1)
+    floor = torch.where(dropped.any(-1), floor, torch.nan)  # every given value kept: the edge may lie further
+    return torch.where(top_p.to(floor.dtype) >= 1.0, -torch.inf, floor)
+
+
+def candidate_width(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How many of its most likely tokens a row's filter looks at first: ``max(top_k, CANDIDATES)`` ``[B]``."""
+    return torch.clamp(torch.clamp(top_k, min=CANDIDATES), max=vocab)
+
+
+WIDER = 1024
+"""A nucleus reaching past a row's candidates is looked for among this many before the whole vocabulary is sorted."""
+
+
+def kept_floor(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    *,
+    max_top_k: int,
+    any_top_p: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one sampling filter as a floor: a row keeps every token whose temperature-scaled logit is at least its
+    floor ``[B]`` (-inf: all). Top-k's floor is the k-th largest value; top-p's, on what top-k kept, the last value
+    whose strictly more likely tokens hold less than ``top_p`` of the mass. Ties at either cut are kept, so the
+    kept set depends on the values alone, never on an index order or on the other rows of the batch.
+
+    Worked out on each row's ``candidate_width`` most likely tokens; a nucleus reaching past them is looked for
+    among the ``WIDER`` most likely, then in the whole sorted row (the same sums over the same values in the
+    same order: the same floor). Also returns the candidates (values and ids ``[B, C]``, most likely first).
+    """
+    batch, vocab = scaled.shape
+    own = candidate_width(top_k, vocab)
+    width = min(vocab, max(max_top_k, CANDIDATES))
+    values, ids = torch.topk(scaled, width, dim=-1)  # [B, C], sorted
+    floor = torch.full((batch,), -torch.inf, device=scaled.device)
+    if max_top_k:
+        kth = values.gather(1, (torch.clamp(top_k, min=1, max=width) - 1)[:, None]).squeeze(1)
+        floor = torch.where(top_k > 0, kth, floor)
+    if not any_top_p:
+        return floor, values, ids
+    total = _kept_mass(scaled, values, own, floor)
+    nucleus = _nucleus_floor(*_head(values, own, floor), total, top_p)
+    nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
+    for wider in (min(vocab, WIDER), vocab):
+        deeper = torch.isnan(nucleus).nonzero().flatten()
+        if not len(deeper):
+            break
+        rows = scaled[deeper]
+        ordered = torch.sort(rows, dim=-1, descending=True).values if wider == vocab else torch.topk(rows, wider).values
+        found = _nucleus_floor(
+            *_head(ordered, torch.full_like(deeper, wider), floor[deeper]), total[deeper], top_p[deeper]
+        )
+        if wider == vocab:  # nothing dropped in the whole row (all tied): all kept
+            found = torch.where(torch.isnan(found), -torch.inf, found)
+        nucleus[deeper] = found
+    return torch.maximum(floor, nucleus), values, ids
+
+
+def _head(values: torch.Tensor, width: torch.Tensor, floor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first ``width`` sorted ``values`` at or above its ``floor`` (the rest -inf), and their weights."""
+    mine = torch.arange(values.shape[-1], device=values.device)[None, :] < width[:, None]
+    given = torch.where(mine & (values >= floor[:, None]), values, -torch.inf)
+    return given, torch.exp(given)
+
+
+def _kept_mass(scaled: torch.Tensor, values: torch.Tensor, own: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Each row's weight ``exp(scaled)`` at or above its floor, float64 ``[B]``: from its candidates when they hold
+    all of it (its last candidate is below the floor), else over the vocabulary."""
+    last = values.gather(1, (own - 1)[:, None]).squeeze(1)
+    total = _head(values, own, floor)[1].sum(-1, dtype=torch.float64)
+    spill = (last >= floor).nonzero().flatten()
+    if len(spill):
+        rows = scaled[spill]
+        total[spill] = (torch.exp(rows) * (rows >= floor[spill, None])).sum(-1, dtype=torch.float64)
+    return total
 
 
 def filter_logits(
@@ -78,21 +173,17 @@ def filter_logits(
     max_top_k: int,
     any_top_p: bool,
 ) -> torch.Tensor:
-    """The one sampling filter: temperature, then top-k, then top-p on what top-k left, ties at each cut kept.
-
-    ``logits``: [B, V] raw; ``temperature`` [B] (> 0), ``top_p`` [B] float; ``top_k`` [B] int (0: off), at most
-    ``max_top_k``; ``any_top_p``: whether a row's ``top_p`` is below 1 (only those rows are sorted). Returns
-    [B, V] float32 scaled logits, -inf outside each row's kept set. The sampler, the drafts, speculative
-    verification and the recovery draw all go through it, so a token is drawable by one exactly when
-    the others give it probability above zero.
-    """
-    scaled = top_k_filter(apply_temperature(logits, temperature[:, None]), top_k, max_top_k)
-    if not any_top_p:
+    """The one sampling filter applied: temperature, then :func:`kept_floor` (top-k, then top-p on what top-k
+    left, ties at each cut kept). ``logits``: [B, V] raw; ``temperature`` [B] (> 0), ``top_p`` [B] float; ``top_k``
+    [B] int (0: off), at most ``max_top_k``; ``any_top_p``: whether a row's ``top_p`` is below 1. Returns [B, V]
+    float32 scaled logits, -inf outside each row's kept set. The sampler, the drafts, speculative verification
+    and the recovery draw all go through it, so a token is drawable by one exactly when the others give it
+    probability above zero."""
+    scaled = apply_temperature(logits, temperature[:, None])
+    if not max_top_k and not any_top_p:
         return scaled
-    nucleus = (top_p < 1.0).nonzero().flatten()
-    if len(nucleus) == scaled.shape[0]:
-        return top_p_filter(scaled, top_p[:, None])
-    return scaled.index_copy(0, nucleus, top_p_filter(scaled[nucleus], top_p[nucleus, None]))
+    floor = kept_floor(scaled, top_k, top_p, max_top_k=max_top_k, any_top_p=any_top_p)[0]
+    return scaled.masked_fill(scaled < floor[:, None], -torch.inf)
 
 
 def filtered_probs(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ead_llm.core.ops import entropy_bits, filtered_probs
+from ead_llm.core.ops import apply_temperature, candidate_width, entropy_bits, kept_floor
 
 CHUNK = 1024
 """Inverse-CDF draws over a whole vocabulary find the chunk of this many tokens first, then the token."""
@@ -169,7 +169,12 @@ class SamplerOutput:
 
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Tokens ``[B]`` for raw ``logits`` ``[B, V]`` under ``meta`` (see the module docstring)."""
+    """Tokens ``[B]`` for raw ``logits`` ``[B, V]`` under ``meta`` (see the module docstring).
+
+    A sampled row draws by inverse CDF in token-id order over the tokens :func:`ead_llm.core.ops.kept_floor`
+    keeps: among its candidates when they hold the whole kept set (the usual case with top-k or top-p),
+    else over the vocabulary. Which of the two depends on the row alone, so a seed's draws never depend on
+    the batch."""
     greedy = torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
     if meta.all_greedy:
         return greedy
@@ -179,16 +184,34 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     def pick(x: torch.Tensor) -> torch.Tensor:
         return x if rows is None else x[rows]
 
-    probs = filtered_probs(
-        pick(logits),
-        pick(meta.temperature),
-        pick(meta.top_k),
-        pick(meta.top_p),
-        max_top_k=meta.max_top_k,
-        any_top_p=meta.any_top_p,
-    )  # [S, V]
-    drawn = inverse_cdf(probs, uniforms(pick(meta.keys), pick(meta.positions), LANE_SAMPLE, 1))[:, 0]
+    scaled = apply_temperature(pick(logits), pick(meta.temperature)[:, None])  # [S, V]
+    u = uniforms(pick(meta.keys), pick(meta.positions), LANE_SAMPLE, 1)  # [S, 1]
+    if not meta.max_top_k and not meta.any_top_p:
+        drawn = inverse_cdf(torch.exp(scaled), u)[:, 0]
+    else:
+        drawn = _filtered_draw(scaled, pick(meta.top_k), pick(meta.top_p), u, meta)
     return drawn if rows is None else greedy.index_copy(0, rows, drawn)
+
+
+def _filtered_draw(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor, meta: SamplingMetadata
+) -> torch.Tensor:
+    """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
+    vocab = scaled.shape[-1]
+    floor, values, ids = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
+    own = candidate_width(top_k, vocab)
+    # every kept token is a candidate when the row's last candidate is below its floor (or all are candidates)
+    fits = (values.gather(1, (own - 1)[:, None]).squeeze(1) < floor) | (own >= vocab)
+    kept = (values >= floor[:, None]) & (torch.arange(values.shape[-1], device=scaled.device)[None, :] < own[:, None])
+    by_id, order = torch.sort(torch.where(kept, ids, vocab), dim=-1)  # candidates in token-id order
+    weights = torch.where(kept, torch.exp(values), 0.0).gather(1, order)
+    drawn = by_id.gather(1, inverse_cdf(weights, u))[:, 0]
+    wide = (~fits).nonzero().flatten()
+    if len(wide):  # rows whose kept set reaches past their candidates draw over the vocabulary
+        row = scaled[wide]
+        full = torch.where(row >= floor[wide, None], torch.exp(row), 0.0)
+        drawn[wide] = inverse_cdf(full, u[wide])[:, 0]
+    return drawn
 
 
 class Sampler:

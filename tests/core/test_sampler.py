@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from ead_llm.core.ops import filtered_probs, top_two
+from ead_llm.core.ops import filter_logits, filtered_probs, top_two
 from ead_llm.core.sampler import (
     CHUNK,
     LANE_ACCEPT,
@@ -169,3 +171,35 @@ def test_draws_over_a_large_vocabulary_find_the_chunk_then_the_token() -> None:
     # the edges: u = 0 gives the first positive weight, u close to 1 the last
     edges = inverse_cdf(weights, torch.tensor([[0.0, 1.0 - 1e-16]], dtype=torch.float64))[0].tolist()
     assert edges == [int((weights[0] > 0).nonzero()[0]), vocab - 1]
+
+
+@settings(max_examples=60, deadline=None)
+@example(seed=1, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.2)  # a nucleus of ~600: the WIDER stage
+@example(seed=2, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.95)  # ~2,800: the whole row sorted
+@example(seed=3, vocab=3000, spread=1.0, step=0.25, top_k=0, top_p=0.6)  # ties at the edge, deep
+@example(seed=4, vocab=80, spread=6.0, step=0.25, top_k=5, top_p=0.999)  # top-k cut in a tie, then top-p
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.sampled_from([7, 80, 3000]),
+    spread=st.sampled_from([0.05, 1.0, 6.0]),
+    step=st.sampled_from([0.0, 0.25]),
+    top_k=st.integers(0, 90),
+    top_p=st.sampled_from([1.0, 0.999, 0.95, 0.6, 0.2]),
+)
+def test_the_floor_keeps_what_the_plain_rule_keeps(
+    seed: int, vocab: int, spread: float, step: float, top_k: int, top_p: float
+) -> None:
+    """Flat rows (nuclei past 64 and 1,024 candidates), rounded rows (ties everywhere), masked tokens: the fast
+    floor keeps exactly the plain reference's tokens, and a row alone gets the floor it gets in a batch."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=gen) * spread
+    if step:
+        logits = torch.round(logits / step) * step  # bf16-like: many equal values
+    logits[1, : vocab // 3] = -math.inf  # a grammar's mask
+    temperature, k, p = torch.full((3,), 0.9), torch.full((3,), top_k), torch.full((3,), top_p)
+    kept = filter_logits(logits, temperature, k, p, max_top_k=top_k, any_top_p=top_p < 1) > -math.inf
+    for b in range(3):
+        expected = reference_probs(logits[b], 0.9, top_k, top_p) > 0
+        assert torch.equal(kept[b], expected), (b, int(kept[b].sum()), int(expected.sum()))
+        alone = filter_logits(logits[b : b + 1], temperature[:1], k[:1], p[:1], max_top_k=top_k, any_top_p=top_p < 1)
+        assert torch.equal(alone[0] > -math.inf, kept[b])

@@ -1,0 +1,131 @@
+"""Lossless speculative sampling on SmolLM2 in bfloat16, where ties are everywhere (a bf16 logit near 13 has
+a step of 1/16). At one real position: drafts drawn by the engine's sampler from the draft model's bf16
+logits, judged by the rejection sampler against the full model's; the first emitted token must follow the
+full model's filtered distribution (same support, total variation < 0.03 over 5,000 rounds) with top-k and
+top-p cut inside a tie; then the same through the whole engine, drafts and all. In the slow set.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ead_llm import LargeOnly, SpeculativeDecoding
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
+from ead_llm.core.ops import entropy_bits
+from ead_llm.core.rejection_sampler import VerifyBatch, verify
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.sampler import SamplingMetadata, sample
+from tests.reference import reference_probs
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # 5,000 rounds over 49,152 ids: about 2 minutes
+
+PROMPT = "The capital of France is"
+TEMPERATURE = 2.0
+"""Flattens the answer (Paris leads by 2.4 logits) so that many tokens carry mass."""
+DRAWS = 5000
+CHUNK = 250
+
+
+@pytest.fixture(scope="module")
+def bf16_pair(real_paths: tuple[Path, Path]) -> ModelPair:
+    draft, full = real_paths
+    return load_pair(LoadConfig(small=str(draft), large=str(full), device="cpu", dtype="bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def logits(bf16_pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor]:
+    """(full, draft) bf16 logits after the prompt, as float32 ``[V]``."""
+    ids = torch.tensor([bf16_pair.tokenizer.encode(PROMPT)])
+    vocab = bf16_pair.vocab_size
+    with torch.no_grad():
+        full = bf16_pair.large.model(input_ids=ids).logits[0, -1, :vocab].float()
+        draft = bf16_pair.small.model(input_ids=ids).logits[0, -1, :vocab].float()
+    return full, draft
+
+
+def tie_cuts(full: torch.Tensor) -> dict[str, dict[str, Any]]:
+    """Settings whose cuts fall inside ties of the full model's logits: top-k at the first tied group among
+    the top 20, top-p halfway through the next tied group's mass."""
+    values = torch.topk(full, 40).values.tolist()
+    groups = [i for i in range(1, 40) if values[i] == values[i - 1] and (i == 1 or values[i - 1] != values[i - 2])]
+    assert len(groups) >= 2, f"no ties among the top tokens: {values}"
+    top_k = groups[0]  # ranks groups[0] - 1 and groups[0] tie: a top-k of groups[0] cuts between them
+    probs = torch.softmax(full.double() / TEMPERATURE, -1)
+    order = torch.argsort(full, descending=True)
+    later = groups[1] - 1  # the first rank of the second tie
+    before = float(probs[order[:later]].sum())
+    top_p = before + float(probs[order[later]]) / 2  # the edge falls inside the tie
+    assert top_p < 1.0
+    return {"top_k": {"top_k": top_k}, "top_p": {"top_p": top_p}, "both": {"top_k": top_k + 5, "top_p": top_p}}
+
+
+def check(tokens: Counter[int], probs: torch.Tensor, draws: int) -> float:
+    support = {i for i, p in enumerate(probs.tolist()) if p > 0}
+    assert set(tokens) <= support, f"drawn outside the support: {sorted(set(tokens) - support)}"
+    assert {i for i in support if float(probs[i]) * draws >= 10} <= set(tokens)
+    tv = 0.5 * sum(abs(tokens.get(i, 0) / draws - float(probs[i])) for i in support | set(tokens))
+    assert tv < 0.03, f"total variation {tv:.4f}"
+    return tv
+
+
+@pytest.mark.parametrize("name", ["top_k", "top_p", "both"])
+def test_rounds_on_bf16_logits_emit_the_full_model_distribution(
+    logits: tuple[torch.Tensor, torch.Tensor], name: str
+) -> None:
+    full, draft = logits
+    setting = tie_cuts(full)[name]
+    top_k, top_p = setting.get("top_k", 0), setting.get("top_p", 1.0)
+    probs = reference_probs(full, TEMPERATURE, top_k, top_p)
+    first: Counter[int] = Counter()
+    drafted_outside = 0
+    for start in range(0, DRAWS, CHUNK):
+        n = min(CHUNK, DRAWS - start)
+        rows = [(TEMPERATURE, top_k, top_p, 17, 5 + start + j) for j in range(n)]
+        drafts = sample(draft[None].expand(n, -1), SamplingMetadata.build(rows))  # the engine's own draws
+        drafted_outside += int((probs[drafts] == 0).sum())
+        batch = VerifyBatch(
+            draft_tokens=drafts[:, None],
+            num_drafts=torch.ones(n, dtype=torch.long),
+            draft_logits=draft[None, None].expand(n, 1, -1),
+            draft_entropy=entropy_bits(draft).expand(n, 1),
+            target_logits=full[None, None].expand(n, 2, -1),
+            temperature=torch.full((n,), TEMPERATURE),
+            top_k=torch.full((n,), top_k, dtype=torch.long),
+            top_p=torch.full((n,), top_p),
+            keys=torch.full((n,), 17, dtype=torch.long),
+            positions=torch.arange(start, start + n) + 5,
+            entropy_threshold=torch.full((n,), float("inf")),
+            top_n=torch.ones(n, dtype=torch.long),
+            overlap_threshold=torch.ones(n),
+            oracle=torch.zeros(n, dtype=torch.bool),
+            max_top_k=top_k,
+            any_top_p=top_p < 1.0,
+            any_sampled=True,
+        )
+        out = verify(batch)
+        first.update(torch.where(out.accepted > 0, drafts, out.token).tolist())
+    if name != "top_p":  # here the draft proposes tokens the full model's top-k excludes: they must never stand
+        assert drafted_outside > 0
+    check(first, probs, DRAWS)
+
+
+def test_the_engine_in_bf16_samples_speculatively_as_the_full_model_does(
+    bf16_pair: ModelPair, logits: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    """End to end: the engine's passes (batched, packed: bf16 rounds by shape) against the full model's
+    distribution at the first generated token, for LargeOnly and speculative decoding."""
+    setting = tie_cuts(logits[0])["both"]
+    probs = reference_probs(logits[0], TEMPERATURE, setting["top_k"], setting["top_p"])
+    engine = Engine(bf16_pair, max_batch=256)
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=2, seed=23, **setting)
+    for policy in (LargeOnly(), SpeculativeDecoding(gamma=1)):
+        out = engine.generate([Request(PROMPT, policy, params, sample_index=k) for k in range(DRAWS)])
+        check(Counter(c.token_ids[0] for c in out), probs, DRAWS)
+        drafted = sum(int(c.cost.extra.get("drafted_tokens", 0)) for c in out)
+        assert drafted == (DRAWS if isinstance(policy, SpeculativeDecoding) else 0)
