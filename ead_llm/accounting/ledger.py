@@ -17,7 +17,9 @@ class Pricing:
     """Prices in USD per million tokens for each model.
 
     A model's input price applies to every position it processed (prompt prefill, catch-up,
-    fed-back tokens), its output price to every token it emitted.
+    fed-back tokens), its output price to every token it emitted. Positions fed again because the engine
+    evicted a sequence's cache for other users (``recomputed_tokens``) are not charged: a bill never
+    depends on the load.
     """
 
     small_input: float = 0.0
@@ -51,6 +53,9 @@ class Cost:
     small_params: int
     large_params: int
     cost_usd: float | None = None
+    recomputed_tokens: int = 0
+    """Positions fed again after the engine evicted this sequence's cache to make room for others (both models):
+    load, not the request's own work, so not in the processed tokens, ``flops`` or ``cost_usd``."""
     extra: dict[str, int | float] = field(default_factory=dict)
     """Policy-specific counters, summed over a call."""
 
@@ -74,6 +79,7 @@ class Cost:
             "small_processed_tokens": self.small_processed_tokens,
             "large_processed_tokens": self.large_processed_tokens,
             "flops": self.flops,
+            "recomputed_tokens": self.recomputed_tokens,
             "parameter_ratio": self.parameter_ratio,
             "wall_time_s": self.wall_time_s,
         }
@@ -116,6 +122,7 @@ class Cost:
             small_processed_tokens=sum(c.small_processed_tokens for c in items),
             large_processed_tokens=sum(c.large_processed_tokens for c in items),
             flops=sum(c.flops for c in items),
+            recomputed_tokens=sum(c.recomputed_tokens for c in items),
             wall_time_s=wall_time_s,
             small_params=items[0].small_params,
             large_params=items[0].large_params,
@@ -138,6 +145,7 @@ class CompletionLedger:
         self._emitted = {Role.SMALL: 0, Role.LARGE: 0}
         self._processed = {Role.SMALL: 0, Role.LARGE: 0}
         self._flops = 0
+        self._recomputed = 0
         self._switches = 0
         self._last: Role | None = None
         self._counters: dict[str, int] = dict.fromkeys(counters, 0)
@@ -152,10 +160,12 @@ class CompletionLedger:
         self._last = event.role
         for work in event.work:
             info = self._info[work.role]
-            self._processed[work.role] += work.tokens
+            own = work.tokens - work.recomputed  # what the request itself needed
+            self._processed[work.role] += own
+            self._recomputed += work.recomputed
             self._flops += forward_flops(
-                new_tokens=work.tokens,
-                past_tokens=work.past,
+                new_tokens=own,
+                past_tokens=work.past + work.recomputed,
                 non_embedding_params=info.non_embedding_params,
                 num_layers=info.num_layers,
                 attention_width=info.attention_width,
@@ -174,6 +184,7 @@ class CompletionLedger:
             small_processed_tokens=self._processed[Role.SMALL],
             large_processed_tokens=self._processed[Role.LARGE],
             flops=self._flops,
+            recomputed_tokens=self._recomputed,
             wall_time_s=wall_time_s,
             small_params=self._info[Role.SMALL].params,
             large_params=self._info[Role.LARGE].params,

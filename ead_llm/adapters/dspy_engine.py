@@ -230,7 +230,7 @@ class PairEngine:
         """:meth:`stream` on the event loop (no thread per token; cancelling frees the engine)."""
         engine_request = self._request(request)
         with _context_length_errors():
-            events = self.owner._astream_events(engine_request)
+            events = await self.owner._aopen_events(engine_request)
         yield StreamStartEvent(model=request.model)
         models: list[str] = []
         async for event, cost in events:

@@ -377,12 +377,13 @@ class PairModel(BaseModel):
 
         return events()
 
-    def _astream_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
-        """:meth:`_stream_events` for async callers (call it on the loop that reads it): no thread per token,
-        and a consumer that stops or is cancelled frees the engine within one step."""
+    async def _aopen_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+        """:meth:`_stream_events` for async callers: the request is checked and queued (off the event loop) when
+        this returns, so a bad one raises before any event; the events come with no thread per token, and a
+        consumer that stops or is cancelled frees the engine within one step."""
         ledger = self._ledger(request)
         start = time.perf_counter()
-        stream = self._engine.astream([request], self.timeout)
+        stream = await self._engine.asubmit([request], self.timeout)
 
         async def events() -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
             try:
@@ -392,3 +393,12 @@ class PairModel(BaseModel):
                 stream.close()
 
         return events()
+
+    async def _astream_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+        """The events of :meth:`_aopen_events`, as one async iterator (a bad request raises at the first item)."""
+        events = await self._aopen_events(request)
+        try:
+            async for item in events:
+                yield item
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]

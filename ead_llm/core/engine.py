@@ -16,6 +16,7 @@ stop strings, the ledger and the framework adapters all consume that one stream.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import logging
@@ -257,13 +258,32 @@ class Engine:
         return self._open(EventStream(self, call, processors, timeout_s, isolate=isolate), call, sequences)
 
     def astream(
+        self,
+        requests: Sequence[Request],
+        timeout_s: float | None = None,
+        *,
+        isolate: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> AsyncEventStream:
+        """:meth:`stream` for async callers: the stream is read on ``loop`` (default: the running one) with no
+        thread per item, and cancelling the task that awaits it cancels the requests within one step."""
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        inbox = async_inbox(call, loop or asyncio.get_running_loop())
+        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
+        return self._open(stream, call, sequences)
+
+    async def asubmit(
         self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
     ) -> AsyncEventStream:
-        """:meth:`stream` for async callers (call it inside the event loop that will read it): no thread per
-        item, and cancelling the task that awaits the stream cancels the requests within one step."""
-        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
-        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=async_inbox(call))
-        return self._open(stream, call, sequences)
+        """:meth:`astream` with the checking and encoding (tokenizers, grammars) done in a worker thread, so the
+        event loop stays free; a bad request raises here. Cancelled while submitting, the requests never run."""
+        loop = asyncio.get_running_loop()
+        work = asyncio.ensure_future(asyncio.to_thread(self.astream, requests, timeout_s, isolate=isolate, loop=loop))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_close_submitted)  # queued after all: cancel it as soon as it is
+            raise
 
     def _submit(
         self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool
@@ -748,13 +768,18 @@ class Engine:
         """:meth:`generate` for async callers: cancelling the awaiting task (``asyncio.wait_for``, a client that
         left) stops the requests within one engine step and frees their caches."""
         builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
-        stream = self.astream(requests, timeout_s, isolate=return_exceptions)
+        stream = await self.asubmit(requests, timeout_s, isolate=return_exceptions)
         try:
             async for event in stream:
                 builder.record(event)
         finally:
             stream.close()
         return builder.results(stream.failures)
+
+
+def _close_submitted(work: asyncio.Future[AsyncEventStream]) -> None:
+    if not work.cancelled() and work.exception() is None:
+        work.result().close()
 
 
 def _rank(work: ForwardWork, read: Read) -> int:

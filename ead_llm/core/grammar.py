@@ -208,7 +208,11 @@ class GrammarCompiler:
             raise ValueError(
                 f"the {constraint.kind.replace('_', ' ')} constraint does not compile: {matcher.get_error()}"
             )
-        return SequenceGrammar(matcher, length, self.eos)
+        grammar = SequenceGrammar(matcher, length, self.eos)
+        _, failed = self.masks([grammar])  # the first mask now (kept for the first step): an error is the request's
+        if failed:
+            raise ValueError(f"the {constraint.kind.replace('_', ' ')} constraint cannot start: {failed[0]}")
+        return grammar
 
     def masks(self, grammars: list[SequenceGrammar]) -> tuple[torch.Tensor, dict[int, Exception]]:
         """``[N, W]`` int32 bitmasks of each grammar's next token (kept by each grammar for its position), and the

@@ -35,6 +35,8 @@ class SequenceKV:
     blocks: list[int] = field(default_factory=list)
     length: int = 0
     """Positions the model has seen (written); the rest of the sequence is fed at its next pass."""
+    evicted: int = 0
+    """Positions it had seen when its blocks were taken back (a preemption): feeding them again is recomputation."""
 
 
 class OutOfBlocks(RuntimeError):

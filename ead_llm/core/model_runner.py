@@ -257,10 +257,13 @@ class ModelRunner:
         for indices, _ in chunks:
             for i in indices:
                 row = rows[i]
-                new = len(row.tokens) - row.kv.length
+                start, new = row.kv.length, len(row.tokens) - row.kv.length
                 out.start[i], out.reads[i] = at, row.read
-                out.work[i] = ForwardWork(self.role, new, row.kv.length)
+                recomputed = max(0, min(start + new, row.kv.evicted) - start)
+                out.work[i] = ForwardWork(self.role, new, start, recomputed)
                 row.kv.length += new
+                if row.kv.length >= row.kv.evicted:
+                    row.kv.evicted = 0  # all it lost is back
                 at += row.read
         return out
 

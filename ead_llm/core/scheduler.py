@@ -229,6 +229,8 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Take ``seq``'s caches back; it waits at the head of the queue and is fed again when readmitted."""
         keep = seq.decoder.on_preempt(seq)
+        for kv in seq.kv.values():  # what it had seen (dropped drafts too: they are drafted again) and loses
+            kv.evicted = max(kv.evicted, kv.length)
         del seq.tokens[keep:]
         if seq.grammar is not None:
             seq.grammar.rollback_to(keep)
@@ -385,14 +387,22 @@ class Scheduler:
 
 
 class ForkRoom:
-    """Whether one more path may start now: a place in the batch, and two free KV blocks per model for
-    the copies its first writes make. (The fork itself follows at once, so the next ask counts it.)"""
+    """Whether one more path may start in this step: a place in the batch, and two free KV blocks per model for
+    the copies its first writes make, beyond those already granted to this step's other forks. (A granted fork
+    joins the running set at once; its blocks are taken at the next step's reservation.)"""
+
+    BLOCKS_PER_FORK = 2
 
     def __init__(self, scheduler: Scheduler) -> None:
         self._scheduler = scheduler
+        self.granted = 0
 
     def take(self) -> bool:
         scheduler = self._scheduler
-        return len(scheduler.running) < scheduler.max_batch and all(
-            cache.can_hold(2) for cache in scheduler.caches.values()
-        )
+        blocks = self.BLOCKS_PER_FORK * (self.granted + 1)
+        if len(scheduler.running) < scheduler.max_batch and all(
+            cache.can_hold(blocks) for cache in scheduler.caches.values()
+        ):
+            self.granted += 1
+            return True
+        return False

@@ -177,9 +177,8 @@ class AsyncEventStream(_Events, AsyncIterator[TokenEvent]):
         self.close()
 
 
-def async_inbox(call: Call) -> asyncio.Queue[Any]:
-    """An asyncio queue on the running loop that receives ``call``'s deliveries from the scheduler thread."""
-    loop = asyncio.get_running_loop()
+def async_inbox(call: Call, loop: asyncio.AbstractEventLoop) -> asyncio.Queue[Any]:
+    """An asyncio queue read on ``loop`` that receives ``call``'s deliveries from the scheduler thread."""
     inbox: asyncio.Queue[Any] = asyncio.Queue()
 
     def deliver(items: Any) -> None:

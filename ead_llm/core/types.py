@@ -30,11 +30,14 @@ class FinishReason(str, Enum):
 
 @dataclass(frozen=True)
 class ForwardWork:
-    """One forward pass of one model over one sequence: ``tokens`` new positions after ``past``."""
+    """One forward pass of one model over one sequence: ``tokens`` new positions after ``past``, of which the
+    first ``recomputed`` are positions the model had processed before the engine evicted the sequence's cache
+    to make room for others (work that depends on the load, billed apart)."""
 
     role: Role
     tokens: int
     past: int
+    recomputed: int = 0
 
 
 @dataclass(frozen=True)

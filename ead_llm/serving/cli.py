@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the CLI imports torch and the frameworks only once the arguments are parsed (fast --help)
     from ead_llm.accounting.ledger import Pricing
     from ead_llm.policies.base import Policy
+    from ead_llm.serving.server import ServerLimits
 
 POLICY_NAMES = ("ead", "small_only", "large_only", "speculative", "easd")
 """The policies the CLI runs, by their canonical names (``describe_policy``'s); aliases such as ``small`` and
@@ -221,6 +223,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "pricing": serve_pricing(args),
     }
     config = {k: v for k, v in config.items() if v is not None}  # the rest: EntropyAdaptiveLLM's defaults
+    limits = serve_limits(args)
     ray_options = (args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas)
     if args.replicas > 1 or any(v is not None for v in ray_options):
         from ead_llm.serving.ray import deployment, run
@@ -233,12 +236,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
             num_gpus=args.num_gpus,
             min_replicas=args.min_replicas,
             max_replicas=args.max_replicas,
+            limits=limits,
         )
         run(app, host=args.host, port=args.port)
         return 0
     llm = EntropyAdaptiveLLM(**config)
-    uvicorn.run(create_app(llm, args.model_name), host=args.host, port=args.port, log_level=args.log_level)
+    app = create_app(llm, args.model_name, limits)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+def serve_limits(args: argparse.Namespace) -> ServerLimits:
+    """What ``serve``'s options bound and guard (checked here: a bad value is refused before loading)."""
+    from ead_llm.serving.server import ServerLimits
+
+    return ServerLimits(
+        max_request_bytes=args.max_request_bytes,
+        max_sequences=args.max_sequences_per_request,
+        api_key=args.api_key or None,
+        allowed_origins=tuple(args.allowed_origins),
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -401,6 +418,30 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 help=f"USD per million {side} tokens of the {model} model (any price given: usage carries cost_usd)",
             )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=None,
+        help="largest request body; a longer one gets 413 before it is read (default: max(1 MiB, 32 x the context))",
+    )
+    serve.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=64,
+        help="most sequences (prompts x n) one request may ask for (default 64)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("EAD_LLM_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (default: $EAD_LLM_API_KEY; unset: open)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=(),
+        metavar="ORIGIN",
+        help="origins a browser may call from (CORS), such as https://app.example.com or * (default: none)",
+    )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--replicas",

@@ -49,11 +49,13 @@ def deployment(
     max_replicas: int | None = None,
     target_ongoing_requests: float | None = None,
     max_ongoing_requests: int | None = None,
+    limits: Any = None,
 ) -> Any:
     """A Ray Serve application of the OpenAI-compatible app: ``replicas`` copies (or autoscaling between
     ``min_replicas`` and ``max_replicas`` at ``target_ongoing_requests`` each), each an engine built from
     ``llm_config`` (``EntropyAdaptiveLLM``'s arguments: ``small``, ``large``, ``policy``, ``max_tokens``...)
-    with ``num_cpus``/``num_gpus`` reserved. Run it with ``serve.run(app)``."""
+    with ``num_cpus``/``num_gpus`` reserved, each within ``limits`` (a
+    :class:`~ead_llm.serving.server.ServerLimits`). Run it with ``serve.run(app)``."""
     serve = _ray()
     config = dict(llm_config or {})
     check_int("replicas", replicas, minimum=1)
@@ -86,17 +88,18 @@ def deployment(
     class Replica:
         """One engine and its OpenAI-compatible app."""
 
-        def __init__(self, llm_config: dict[str, Any], model_name: str | None) -> None:
+        def __init__(self, llm_config: dict[str, Any], model_name: str | None, limits: Any) -> None:
             from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 
             self.llm = EntropyAdaptiveLLM(**llm_config)
             self.model_name = model_name
+            self.limits = limits
             self.replica = serve.get_replica_context().replica_id.unique_id
 
         def __serve_build_asgi_app__(self) -> Any:
             from ead_llm.serving.server import create_app
 
-            app = create_app(self.llm, self.model_name)
+            app = create_app(self.llm, self.model_name, self.limits)
             replica = self.replica
 
             @app.middleware("http")
@@ -111,7 +114,7 @@ def deployment(
             """Ray Serve's health check: the engine's scheduler must not be wedged (its load readable)."""
             _ = self.llm.shared_engine.load
 
-    return serve.deployment(Replica, **options).bind(config, model_name)
+    return serve.deployment(Replica, **options).bind(config, model_name, limits)
 
 
 def run(

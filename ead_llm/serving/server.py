@@ -14,76 +14,164 @@ A required or named tool and a response format are enforced by the engine's gram
 model writes each token (:mod:`ead_llm.adapters.tool_calls`). A streamed completion keeps one ``id``
 across its chunks. Unsupported features (legacy ``functions``, logprobs, ``logit_bias``, ``suffix``)
 are refused with a 400 that names them.
+
+Bounded and guarded (:class:`ServerLimits`): a body over ``max_request_bytes`` gets a 413 before the rest of
+it is read; a request may ask for at most ``max_sequences`` sequences (prompts x ``n``); every malformed field
+is a 400 that names it, and a constraint that does not compile a 400 before any byte is sent; an error after
+a stream has started ends it with an OpenAI-style ``error`` event. With an ``api_key`` every route but
+``/health`` needs ``Authorization: Bearer <key>`` (else 401); ``allowed_origins`` turns on CORS for them.
+Requests are prepared off the event loop; a client that leaves before its answer cancels its requests,
+which stop within one engine step.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hmac
 import json
+import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, plan_tools, split_calls
 from ead_llm.core.grammar import Constraint
-from ead_llm.core.request import Prompt
+from ead_llm.core.request import Completion, Prompt
 from ead_llm.core.request import Request as EngineRequest
 from ead_llm.core.types import TokenEvent
+from ead_llm.core.validation import check_int
 from ead_llm.policies.base import Policy, policy_from_description
 
+logger = logging.getLogger(__name__)
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
+MAX_N = 16
+BYTES_PER_TOKEN = 32
+"""The default body limit allows a full context of prompt at this many bytes per token (JSON-escaped text runs
+at about 4-8): ``max(1 MiB, 32 x context)``."""
+DEFAULT_MAX_SEQUENCES = 64
+UNAUTHENTICATED = ("/health",)
+"""Routes answered without the API key (a load balancer's health check)."""
 
 
-class _Body(BaseModel):
-    """Fields shared by both endpoints; unknown fields are accepted and ignored, as OpenAI's servers do."""
+# -- request bodies -----------------------------------------------------------------------------------
+
+
+class _Open(BaseModel):
+    """OpenAI's objects: unknown fields are accepted and ignored, as OpenAI's servers do."""
 
     model_config = ConfigDict(extra="allow")
 
+
+class StreamOptions(_Open):
+    include_usage: bool = False
+
+
+class _Body(_Open):
+    """Fields shared by both endpoints."""
+
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     logprobs: bool | int | None = None
     policy: dict[str, Any] | None = None
-    prompt_truncation: str | None = None
+    """ead-llm's own field: the policy for this request, as ``describe_policy`` writes it."""
+    prompt_truncation: Literal["error", "left"] | None = None
+    ignore_eos: bool | None = None
+    """Generate past EOS (fixed-length benchmarks; vLLM's server takes it too)."""
 
 
 class CompletionBody(_Body):
-    prompt: str | list[str]
+    prompt: str | list[str] = Field(min_length=1)
     echo: bool = False
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class FunctionCall(_Open):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
 
+
+class ToolCallIn(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ContentPart(_Open):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Open):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
 
+class FunctionSpec(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Open):
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(_Open):
+    name: str
+
+
+class NamedToolChoice(_Open):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Open):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Open):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatBody(_Body):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required", "any"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+
+
+# -- errors ---------------------------------------------------------------------------------------------
 
 
 class ServerError(ValueError):
@@ -94,62 +182,63 @@ class ServerError(ValueError):
         self.status, self.param = status, param
 
 
+class RequestTooLarge(HTTPException):
+    """A body longer than the server takes (HTTP 413; an HTTPException so that FastAPI's body reader passes it on)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is over {limit} bytes: send less")
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
-    kind = "not_found_error" if status == 404 else "invalid_request_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status)
+    kind = {404: "not_found_error", 401: "authentication_error", 500: "server_error"}.get(
+        status, "invalid_request_error"
+    )
+    return JSONResponse(error_body(message, kind, param), status)
 
 
 def _usage(cost: Cost) -> dict[str, Any]:
     return {**cost.to_dict(), "total_tokens": cost.prompt_tokens + cost.completion_tokens}
 
 
-def _text(content: str | list[dict[str, Any]] | None) -> str:
+def _text(content: str | list[ContentPart] | None) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     parts = []
     for part in content:
-        if part.get("type") != "text":
-            raise ServerError(
-                f"message content of type {part.get('type')!r} is not supported: send text", param="messages"
-            )
-        parts.append(str(part.get("text", "")))
+        if part.type != "text":
+            raise ServerError(f"message content of type {part.type!r} is not supported: send text", param="messages")
+        parts.append(part.text or "")
     return "".join(parts)
 
 
-def _call_of(call: dict[str, Any]) -> dict[str, Any]:
+def _call_of(call: ToolCallIn) -> dict[str, Any]:
     """An OpenAI ``tool_calls`` item of a request's assistant message, as the prompt renderer takes it."""
-    function = call.get("function") or {}
-    arguments = function.get("arguments", "{}")
-    try:
-        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        raise ServerError(f"tool call arguments must be JSON, got {arguments!r}", param="messages") from None
-    if not isinstance(function.get("name"), str):
-        raise ServerError(f"a tool call needs function.name, got {call!r}", param="messages")
-    return {"name": function["name"], "arguments": parsed, "id": call.get("id")}
-
-
-def _response_format(value: dict[str, Any] | None) -> Constraint | None:
-    """The constraint of OpenAI's ``response_format``: ``text`` (none), ``json_object``, ``json_schema``."""
-    if value is None or value.get("type") in (None, "text"):
-        return None
-    if value.get("type") == "json_object":
-        return Constraint.json_object()
-    if value.get("type") == "json_schema":
-        spec = value.get("json_schema") or {}
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise ServerError(
-                "response_format.json_schema.schema must be a JSON schema object", param="response_format"
-            )
+    arguments = call.function.arguments
+    if isinstance(arguments, str):
         try:
-            return Constraint.json_schema(schema, strict=bool(spec.get("strict", True)))
-        except ValueError as exc:
-            raise ServerError(f"response_format: {exc}", param="response_format") from exc
-    raise ServerError(
-        f"response_format type must be 'text', 'json_object' or 'json_schema', got {value.get('type')!r}",
-        param="response_format",
-    )
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ServerError(f"tool call arguments must be JSON, got {arguments!r}", param="messages") from None
+    return {"name": call.function.name, "arguments": arguments, "id": call.id}
+
+
+def _response_format(value: ResponseFormat | None) -> Constraint | None:
+    """The constraint of OpenAI's ``response_format``: ``text`` (none), ``json_object``, ``json_schema``."""
+    if value is None or value.type == "text":
+        return None
+    if value.type == "json_object":
+        return Constraint.json_object()
+    if value.json_schema is None or value.json_schema.schema_ is None:
+        raise ServerError("response_format.json_schema.schema must be a JSON schema object", param="response_format")
+    try:
+        return Constraint.json_schema(value.json_schema.schema_, strict=value.json_schema.strict is not False)
+    except ValueError as exc:
+        raise ServerError(f"response_format: {exc}", param="response_format") from exc
 
 
 def default_model_name(llm: EntropyAdaptiveLLM) -> str:
@@ -159,19 +248,115 @@ def default_model_name(llm: EntropyAdaptiveLLM) -> str:
     return "ead-llm/" + llm.large.rstrip("/").split("/")[-1].removesuffix(".gguf")
 
 
+# -- limits ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What the server takes from one request, and who may ask."""
+
+    max_request_bytes: int | None = None
+    """Largest request body; None: ``max(1 MiB, 32 bytes x the context)``."""
+    max_sequences: int = DEFAULT_MAX_SEQUENCES
+    """Most sequences one request may ask for (prompts x ``n``)."""
+    api_key: str | None = None
+    """When set, every route but ``/health`` needs ``Authorization: Bearer <api_key>``."""
+    allowed_origins: tuple[str, ...] = field(default=())
+    """Origins browsers may call from (CORS); empty: no CORS headers."""
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes is not None:
+            check_int("max_request_bytes", self.max_request_bytes, minimum=1)
+        check_int("max_sequences", self.max_sequences, minimum=1)
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key.strip()):
+            raise ValueError("api_key must be a non-empty string, or None for an open server")
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+
+    def body_limit(self, context: int | None) -> int:
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(2**20, BYTES_PER_TOKEN * (context or 0))
+
+
+class BodyLimit:
+    """ASGI middleware: a body declared longer than ``limit`` is answered 413 before any of it is read; one that
+    turns out longer (chunked) stops being read at ``limit`` (:class:`RequestTooLarge`)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            response = _error(f"the request body is over {self.limit} bytes: send less", 413)
+            await response(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise RequestTooLarge(self.limit)
+            return message
+
+        await self.app(scope, limited, send)
+
+
+class ApiKey:
+    """ASGI middleware: every route but :data:`UNAUTHENTICATED` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in UNAUTHENTICATED or scope.get("method") == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            response = _error("a valid API key is needed: send Authorization: Bearer <key>", 401)
+            response.headers["www-authenticate"] = "Bearer"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# -- the server -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Job:
+    """A prepared request: the engine requests, and how their results become the HTTP answer."""
+
+    requests: list[EngineRequest]
+    respond: Callable[[list[Completion], Cost], dict[str, Any]]
+    stream: Callable[[AsyncIterator[tuple[TokenEvent, Cost | None]]], AsyncIterator[str]] | None = None
+    """For ``stream: true``: server-sent events from the one request's events."""
+
+
 class Server:
     """The OpenAI-compatible surface of one :class:`EntropyAdaptiveLLM` (its pair, policy and defaults)."""
 
-    def __init__(self, llm: EntropyAdaptiveLLM, model_name: str | None = None) -> None:
+    def __init__(
+        self, llm: EntropyAdaptiveLLM, model_name: str | None = None, limits: ServerLimits | None = None
+    ) -> None:
         self.llm = llm
         self.model_name = model_name or default_model_name(llm)
         self.aliases = {self.model_name, f"ead-llm/{llm.pair_name}"}
         """Model ids a request may name: the served name, and the long ``ead-llm/<small>+<large>`` form."""
+        self.limits = limits or ServerLimits()
         self.created = int(time.time())
 
     # -- request -> engine requests ---------------------------------------------------------------
 
-    def _check(self, body: _Body) -> None:
+    def _check(self, body: _Body, prompts: int) -> None:
         if body.model is not None and body.model not in self.aliases:
             raise ServerError(f"model {body.model!r} is not served here; use {self.model_name!r}", 404, "model")
         refused = [name for name in UNSUPPORTED if (body.model_extra or {}).get(name) not in (None, [], {}, "none")]
@@ -179,8 +364,14 @@ class Server:
             refused.append("logprobs")
         if refused:
             raise ServerError(f"not supported by ead-llm: {refused}", param=refused[0])
-        if isinstance(body.n, bool) or not 1 <= body.n <= 16:
-            raise ServerError(f"n must be between 1 and 16, got {body.n}", param="n")
+        if prompts * body.n > self.limits.max_sequences:
+            raise ServerError(
+                f"this request asks for {prompts * body.n} sequences ({prompts} prompts x n={body.n}); this server "
+                f"takes at most {self.limits.max_sequences} per request: send fewer prompts or a smaller n",
+                param="n" if prompts == 1 else "prompt",
+            )
+        if body.stream and prompts * body.n != 1:
+            raise ServerError("streaming takes one prompt and n=1", param="stream")
 
     def _options(self, body: _Body) -> dict[str, Any]:
         options: dict[str, Any] = {}
@@ -192,6 +383,7 @@ class Server:
             ("top_k", body.top_k),
             ("seed", body.seed),
             ("prompt_truncation", body.prompt_truncation),
+            ("ignore_eos", body.ignore_eos),
         ):
             if value is not None:
                 options[name] = value
@@ -203,7 +395,7 @@ class Server:
     def _policy(description: dict[str, Any]) -> Policy:
         try:
             return policy_from_description(description)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, KeyError) as exc:
             raise ServerError(f"policy: {exc}", param="policy") from exc
 
     def _requests(
@@ -254,8 +446,10 @@ class Server:
     @staticmethod
     def _tools(body: ChatBody) -> tuple[list[dict[str, Any]], str, Constraint | None]:
         """The tools offered, the tool mode, and the constraint (a forced tool, or the response format)."""
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
+        choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
         try:
-            offered, mode, constraint = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            offered, mode, constraint = plan_tools(tools, choice, body.parallel_tool_calls)
         except ValueError as exc:
             raise ServerError(str(exc), param="tools" if "tool_choice" not in str(exc) else "tool_choice") from exc
         response = _response_format(body.response_format)
@@ -266,54 +460,64 @@ class Server:
             )
         return offered, mode, constraint or response
 
-    # -- responses --------------------------------------------------------------------------------
+    # -- jobs ---------------------------------------------------------------------------------------
 
-    def completions(self, body: CompletionBody) -> dict[str, Any] | Iterator[str]:
-        self._check(body)
+    def completions(self, body: CompletionBody) -> Job:
+        """Check and prepare a completions request (raises :class:`ServerError` for what it refuses)."""
         prompts: list[Prompt] = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
-        if not prompts:
-            raise ServerError("prompt must not be empty", param="prompt")
+        self._check(body, len(prompts))
         requests = self._requests(prompts, body)
-        if body.stream:
-            if len(requests) != 1:
-                raise ServerError("streaming takes one prompt and n=1", param="stream")
-            return self._stream("text_completion", requests[0], body)
-        completions, total = self.llm._run(requests)
-        choices = [
-            {
-                "index": c.index,
-                "text": (requests[c.index].prompt if body.echo else "") + c.text,  # type: ignore[operator]
-                "finish_reason": c.finish_reason.value,
-                "logprobs": None,
-            }
-            for c in completions
-        ]
-        return self._envelope("text_completion", choices, total)
 
-    def chat(self, body: ChatBody) -> dict[str, Any] | Iterator[str]:
-        self._check(body)
+        def respond(completions: list[Completion], total: Cost) -> dict[str, Any]:
+            choices = [
+                {
+                    "index": c.index,
+                    "text": (requests[c.index].prompt if body.echo else "") + c.text,  # type: ignore[operator]
+                    "finish_reason": c.finish_reason.value,
+                    "logprobs": None,
+                }
+                for c in completions
+            ]
+            return self._envelope("text_completion", choices, total)
+
+        stream = None
+        if body.stream:
+
+            def stream(events: AsyncIterator[tuple[TokenEvent, Cost | None]]) -> AsyncIterator[str]:
+                return self._chunks("text_completion", events, body)
+
+        return Job(requests, respond, stream)
+
+    def chat(self, body: ChatBody) -> Job:
+        """Check and prepare a chat completions request."""
+        self._check(body, 1)
         tools, mode, constraint = self._tools(body)
         prompt = self._chat_prompt(body, tools)
         requests = self._requests([prompt], body, constraint)
         tokenizer = self.llm.shared_engine.tokenizer
         salt = prompt_text(tokenizer, prompt)
+
+        def respond(completions: list[Completion], total: Cost) -> dict[str, Any]:
+            choices = []
+            for c in completions:
+                content, calls = c.text, list[ToolCall]()
+                if mode != "none":
+                    content, calls, _ = split_calls(tokenizer, c.text, salt, tools, f"{salt}|{c.index}")
+                message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
+                if calls:
+                    message["tool_calls"] = [call.openai() for call in calls]
+                finish = "tool_calls" if calls else c.finish_reason.value
+                choices.append({"index": c.index, "message": message, "finish_reason": finish, "logprobs": None})
+            return self._envelope("chat.completion", choices, total)
+
+        stream = None
         if body.stream:
-            if len(requests) != 1:
-                raise ServerError("streaming takes n=1", param="stream")
-            splitter = CallSplitter(salt=f"{salt}|0") if mode != "none" else None
-            return self._chunks("chat.completion.chunk", self.llm._stream_events(requests[0]), body, splitter)
-        completions, total = self.llm._run(requests)
-        choices = []
-        for c in completions:
-            content, calls = c.text, list[ToolCall]()
-            if mode != "none":
-                content, calls, _ = split_calls(tokenizer, c.text, salt, tools, f"{salt}|{c.index}")
-            message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
-            if calls:
-                message["tool_calls"] = [call.openai() for call in calls]
-            finish = "tool_calls" if calls else c.finish_reason.value
-            choices.append({"index": c.index, "message": message, "finish_reason": finish, "logprobs": None})
-        return self._envelope("chat.completion", choices, total)
+
+            def stream(events: AsyncIterator[tuple[TokenEvent, Cost | None]]) -> AsyncIterator[str]:
+                splitter = CallSplitter(salt=f"{salt}|0") if mode != "none" else None
+                return self._chunks("chat.completion.chunk", events, body, splitter)
+
+        return Job(requests, respond, stream)
 
     def _envelope(
         self, kind: str, choices: list[dict[str, Any]], cost: Cost | None, completion_id: str | None = None
@@ -330,55 +534,88 @@ class Server:
             out["usage"] = _usage(cost)
         return out
 
-    def _stream(self, kind: str, request: EngineRequest, body: _Body) -> Iterator[str]:
-        """Server-sent events: one chunk per token; the last carries finish_reason and usage.
-
-        The request is checked and queued before this returns (a bad one raises here, so the client
-        gets an error status, not a stream that breaks off)."""
-        return self._chunks(kind, self.llm._stream_events(request), body)
-
-    def _chunks(
+    async def _chunks(
         self,
         kind: str,
-        events: Iterator[tuple[TokenEvent, Cost | None]],
+        events: AsyncIterator[tuple[TokenEvent, Cost | None]],
         body: _Body,
         splitter: CallSplitter | None = None,
-    ) -> Iterator[str]:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per token; the last carries finish_reason and usage. A failure after the
+        first byte ends the stream with an ``error`` event (OpenAI's clients raise it)."""
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
         chat = kind.startswith("chat")
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # one id for all the chunks
         first, calls_made = True, 0
-        for event, cost in events:
-            finish = None if event.finish_reason is None else event.finish_reason.value
-            if chat:
-                text, calls = (
-                    (event.text, []) if splitter is None else splitter.push(event.text, last=finish is not None)
-                )
-                delta: dict[str, Any] = {"content": text}
-                if first:
-                    delta["role"] = "assistant"
-                if calls:
-                    delta["tool_calls"] = [{"index": calls_made + i, **c.openai()} for i, c in enumerate(calls)]
-                    calls_made += len(calls)
-                if finish is not None and calls_made:
-                    finish = "tool_calls"
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
-            first = False
-            chunk = self._envelope(kind, [choice], None, completion_id)
-            chunk["ead_model"] = event.role.letter
-            if cost is not None and not include_usage:
-                chunk["usage"] = _usage(cost)
-            yield f"data: {json.dumps(chunk)}\n\n"
-            if cost is not None and include_usage:
-                yield f"data: {json.dumps(self._envelope(kind, [], cost, completion_id))}\n\n"
+        try:
+            async for event, cost in events:
+                finish = None if event.finish_reason is None else event.finish_reason.value
+                if chat:
+                    text, calls = (
+                        (event.text, []) if splitter is None else splitter.push(event.text, last=finish is not None)
+                    )
+                    delta: dict[str, Any] = {"content": text}
+                    if first:
+                        delta["role"] = "assistant"
+                    if calls:
+                        delta["tool_calls"] = [{"index": calls_made + i, **c.openai()} for i, c in enumerate(calls)]
+                        calls_made += len(calls)
+                    if finish is not None and calls_made:
+                        finish = "tool_calls"
+                    choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                else:
+                    choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
+                first = False
+                chunk = self._envelope(kind, [choice], None, completion_id)
+                chunk["ead_model"] = event.role.letter
+                if cost is not None and not include_usage:
+                    chunk["usage"] = _usage(cost)
+                yield f"data: {json.dumps(chunk)}\n\n"
+                if cost is not None and include_usage:
+                    yield f"data: {json.dumps(self._envelope(kind, [], cost, completion_id))}\n\n"
+        except Exception as exc:  # the status line is sent: the error goes in the stream
+            logger.warning("a stream failed after it started: %s", exc)
+            kind_of = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+            yield f"data: {json.dumps(error_body(str(exc), kind_of))}\n\n"
+            return
+        finally:
+            close = getattr(events, "aclose", None)
+            if close is not None:
+                await close()
         yield "data: [DONE]\n\n"
 
 
-def create_app(llm: EntropyAdaptiveLLM | None = None, model_name: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``llm`` (default: the embedded pair)."""
-    server = Server(llm or EntropyAdaptiveLLM(), model_name)
+async def _until_disconnected(request: Request) -> None:
+    """Returns once the client has gone (its connection closed before the answer)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """``(True, result)`` of ``work``, or ``(False, None)`` when the client left first (``work`` is then
+    cancelled: its requests stop within one engine step)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None
+
+
+def create_app(
+    llm: EntropyAdaptiveLLM | None = None, model_name: str | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
+    """The FastAPI application serving ``llm`` (default: the embedded pair) within ``limits``."""
+    server = Server(llm or EntropyAdaptiveLLM(), model_name, limits)
+    limits = server.limits
     app = FastAPI(title="ead-llm", description="OpenAI-compatible server over an entropy-adaptive model pair")
     app.state.server = server
 
@@ -390,6 +627,10 @@ def create_app(llm: EntropyAdaptiveLLM | None = None, model_name: str | None = N
     async def _value_error(request: Request, exc: ValueError) -> JSONResponse:
         return _error(str(exc), 400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(str(exc.detail), exc.status_code)  # OpenAI's error shape for 404, 405, 413...
+
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
@@ -399,6 +640,11 @@ def create_app(llm: EntropyAdaptiveLLM | None = None, model_name: str | None = N
     @app.exception_handler(TimeoutError)
     async def _timeout(request: Request, exc: TimeoutError) -> JSONResponse:
         return _error(str(exc), 504)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("ead-llm server error")
+        return _error(f"internal error: {type(exc).__name__}: {exc}", 500)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -411,17 +657,29 @@ def create_app(llm: EntropyAdaptiveLLM | None = None, model_name: str | None = N
             "data": [{"id": server.model_name, "object": "model", "created": server.created, "owned_by": "ead-llm"}],
         }
 
-    def respond(result: dict[str, Any] | Iterator[str]) -> Any:
-        if isinstance(result, dict):
-            return result
-        return StreamingResponse(result, media_type="text/event-stream")
+    async def answer(request: Request, prepare: Callable[[Any], Job], body: _Body) -> Any:
+        job = await asyncio.to_thread(prepare, body)  # tokenizers and grammars off the event loop
+        if job.stream is not None:
+            events = await server.llm._aopen_events(job.requests[0])  # queued: a bad request is a 400 here
+            return StreamingResponse(job.stream(events), media_type="text/event-stream")
+        finished, result = await _unless_disconnected(request, server.llm._arun(job.requests))
+        if not finished:
+            return Response(status_code=499)  # nobody reads it: the client has gone
+        return job.respond(*result)
 
     @app.post("/v1/completions")
-    def completions(body: CompletionBody) -> Any:
-        return respond(server.completions(body))
+    async def completions(body: CompletionBody, request: Request) -> Any:
+        return await answer(request, server.completions, body)
 
     @app.post("/v1/chat/completions")
-    def chat_completions(body: ChatBody) -> Any:
-        return respond(server.chat(body))
+    async def chat_completions(body: ChatBody, request: Request) -> Any:
+        return await answer(request, server.chat, body)
 
+    app.add_middleware(BodyLimit, limit=limits.body_limit(server.llm.shared_engine.max_positions))
+    if limits.api_key is not None:
+        app.add_middleware(ApiKey, key=limits.api_key)
+    if limits.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app

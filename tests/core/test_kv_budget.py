@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from ead_llm import EAD, LargeOnly, SmallOnly
+from ead_llm import EAD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.accounting.ledger import Pricing
 from ead_llm.core.engine import Engine
+from ead_llm.core.kv_cache import KVCache
 from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.scheduler import Scheduler
 from ead_llm.core.types import Role
 
 
@@ -51,3 +54,32 @@ def test_a_budget_too_small_for_everyone_preempts_and_every_answer_is_still_righ
     assert engine.scheduler.preemptions > 0
     assert all(cache.peak_blocks <= 12 for cache in engine.caches.values())
     assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_a_bill_does_not_depend_on_the_load(llama_pair) -> None:
+    """Preempted sequences are fed again when readmitted; those positions are recomputed_tokens, apart from
+    the processed tokens, the FLOPs and the price, which are what the request costs alone."""
+    prompts = [f"{i}+{i}=" for i in range(8)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.7, seed=5)
+    policies = [SmallOnly(), LargeOnly(), EAD(threshold=2.0, window=1, min_dwell=1), SpeculativeDecoding(gamma=3)]
+    requests = [Request(p, policies[i % 4], params) for i, p in enumerate(prompts)]
+    pricing = Pricing(small_input=1.0, small_output=2.0, large_input=10.0, large_output=20.0)
+    alone = Engine(llama_pair, kv_block_size=8)
+    expected = [alone.generate([r], pricing=pricing)[0] for r in requests]
+    engine = Engine(llama_pair, max_batch=8, kv_budget_tokens=12 * 8, kv_block_size=8)
+    loaded = engine.generate(requests, pricing=pricing)
+    assert engine.scheduler.preemptions > 0
+    assert [c.token_ids for c in loaded] == [c.token_ids for c in expected]
+    billed = ("small_processed_tokens", "large_processed_tokens", "flops", "cost_usd", "drafted_tokens")
+    for got, want in zip(loaded, expected, strict=True):
+        assert {k: got.cost.to_dict().get(k) for k in billed} == {k: want.cost.to_dict().get(k) for k in billed}
+        assert want.cost.recomputed_tokens == 0
+    assert sum(c.cost.recomputed_tokens for c in loaded) > 0
+
+
+def test_forks_in_one_step_are_granted_only_the_blocks_left() -> None:
+    """Each granted fork holds two blocks per model until the next reservation takes them."""
+    caches = {role: KVCache(1, block_size=4, max_tokens=4 * 5) for role in Role}  # 5 free blocks each
+    room = Scheduler(caches, max_batch=10, max_positions=None).fork_room()
+    assert [room.take() for _ in range(4)] == [True, True, False, False]  # 2 + 2 of 5; a third needs 6
+    assert room.granted == 2

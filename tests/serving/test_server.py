@@ -106,11 +106,11 @@ def test_curl(url: str, llm: EntropyAdaptiveLLM) -> None:
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "1"}], "tools": [{"x": 1}]},
             400,
-            "each tool",
+            "tools.0.function",
         ),
         ("/v1/completions", {"prompt": "1", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "1", "policy": {"policy": "ead", "threshold": -2}}, 400, "threshold"),
-        ("/v1/completions", {"prompt": "1", "n": 0}, 400, "n must be"),
+        ("/v1/completions", {"prompt": "1", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ],
 )

@@ -147,10 +147,10 @@ def test_langchain_chat_openai_binds_tools_against_it(url: str) -> None:
 @pytest.mark.parametrize(
     ("payload", "needle"),
     [
-        ({"tools": [{"x": 1}]}, "each tool must be"),
+        ({"tools": [{"x": 1}]}, "tools.0.function"),
         ({"tools": [ADD], "tool_choice": "subtract"}, "tool_choice"),
         ({"tool_choice": "required"}, "needs tools"),
-        ({"response_format": {"type": "yaml"}}, "response_format type"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema must be"),
         ({"tools": [ADD], "tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
         ({"functions": [{"name": "f"}]}, "functions"),
@@ -199,5 +199,6 @@ def test_serve_prices_put_cost_usd_in_usage() -> None:
     server = Server(EntropyAdaptiveLLM(small=small, large=large, max_tokens=4, pricing=pricing), MODEL)
     from ead_llm.serving.server import CompletionBody
 
-    reply = server.completions(CompletionBody(prompt="x"))
-    assert isinstance(reply, dict) and reply["usage"]["cost_usd"] > 0
+    job = server.completions(CompletionBody(prompt="x"))
+    reply = job.respond(*server.llm._run(job.requests))
+    assert reply["usage"]["cost_usd"] > 0
