@@ -186,18 +186,61 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits.add_(mask_bias(bitmask, logits.shape[-1], logits.device))
 
 
+SUPPORTED_TOKENIZERS = (
+    "constrained decoding needs a fast Hugging Face tokenizer whose decoder llguidance reads (byte-level BPE, "
+    "as GPT-2, Llama 3, Qwen and SmolLM use, or SentencePiece with byte fallback), or one whose tokens' texts "
+    "simply join (character- or word-level without spaces)"
+)
+_PROBE = "Constrained 12+35=47; café, naïve, 数学 and\nnew lines."
+
+
+def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int]) -> Any:
+    """llguidance's view of ``tokenizer``: read from its own JSON when llguidance knows its decoder, else built
+    from each token's bytes when decoding is plain concatenation of the tokens' texts (a character-level
+    tokenizer such as the embedded pair's); else a ``ValueError`` that says which tokenizers are supported."""
+    llguidance = _llguidance()
+    from llguidance.hf import from_tokenizer
+
+    eos = sorted(eos_token_ids) or None
+    try:
+        return from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)  # type: ignore[arg-type]
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab_size)]
+    probe = [i for i in tokenizer.encode(_PROBE, add_special_tokens=False) if i not in special]
+    known = [i for i in probe if i != tokenizer.unk_token_id]
+    if not known or tokenizer.decode(known) != "".join(texts[i] for i in known):
+        raise ValueError(f"{SUPPORTED_TOKENIZERS}; this tokenizer is neither ({reason})")
+
+    unknown = tokenizer.unk_token_id
+
+    class Joined:
+        """A tokenizer whose text is its tokens' texts joined: each token's bytes are its text's UTF-8."""
+
+        eos_token_id = eos[0] if eos else None
+        bos_token_id = tokenizer.bos_token_id
+        special_token_ids = sorted(special)
+
+        def __init__(self) -> None:
+            self.tokens = [text.encode("utf-8") for text in texts]
+
+        def __call__(self, text: str) -> list[int]:
+            # a character the vocabulary lacks spells nothing (never the unknown token, which is not that text)
+            return [i for i in tokenizer.encode(text, add_special_tokens=False) if i != unknown]
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(Joined()), n_vocab=vocab_size, eos_token=eos)
+
+
 class GrammarCompiler:
     """One tokenizer's grammar machinery (built once per engine, on first use): the token trie, and
     a thread pool that computes a batch's masks in parallel."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         llguidance = _llguidance()
-        from llguidance.hf import from_tokenizer
-
         self.words = mask_words(vocab_size)
         self.eos = eos_token_ids
-        eos = sorted(eos_token_ids) or None
-        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)  # type: ignore[arg-type]
+        self.tokenizer = grammar_tokenizer(tokenizer, vocab_size, eos_token_ids)
         self._executor = llguidance.LLExecutor()
         self._matcher = llguidance.LLMatcher
 
@@ -240,6 +283,11 @@ class GrammarCompiler:
             if i not in failures:
                 try:
                     grammars[i].check()
+                    if not bool(out[i].any()):
+                        raise ConstraintViolation(
+                            "no token of this vocabulary can continue the constraint here: the vocabulary cannot "
+                            "spell what the grammar needs (e.g. JSON with a vocabulary without '{')"
+                        )
                 except ConstraintViolation as exc:
                     failures[i] = exc
             if i in failures:
@@ -266,7 +314,13 @@ class SequenceGrammar:
 
     def check(self) -> None:
         if self.matcher.is_error():
-            raise ConstraintViolation(f"the grammar matcher failed: {self.matcher.get_error()}")
+            error = self.matcher.get_error().splitlines()[0]
+            if error.startswith("NoExtension"):
+                raise ConstraintViolation(
+                    "no token of this vocabulary can continue the constraint here: the vocabulary cannot spell what "
+                    f"the grammar needs (e.g. JSON with a vocabulary without '{{') [llguidance: {error}]"
+                )
+            raise ConstraintViolation(f"the grammar matcher failed: {error}")
 
     def accept(self, token: int, *, commit: bool) -> None:
         """``token`` is appended (``commit``: emitted for good, not a draft)."""

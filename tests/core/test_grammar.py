@@ -270,3 +270,44 @@ def test_generated_schemas_always_parse_and_validate(engine: Engine, schema, tem
         engine, chosen, Constraint.json_schema(schema), temperature=temperature, prompts=PROMPTS[:2], max_tokens=512
     )
     valid(out, schema)
+
+
+# -- tokenizers ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "policy", [LargeOnly(), SmallOnly(), EAD(threshold=0.1), SpeculativeDecoding(gamma=3)], ids=lambda p: p.name
+)
+def test_a_character_level_vocabulary_takes_constraints(policy) -> None:
+    """The embedded pair's tokenizer (one character per token, a Fuse decoder llguidance cannot read) is given to
+    llguidance as its tokens' bytes: a regex holds whichever model writes."""
+    from ead_llm import EntropyAdaptiveLLM
+
+    llm = EntropyAdaptiveLLM(max_tokens=12, temperature=1.0)
+    pattern = r"#### [0-9]{1,5}\n?"
+    prompts = ["4821+3907-1568\n", "1200+3400-2222\n", "9999-1234+5678\n"]
+    texts = [llm.invoke(p, regex=pattern, policy=policy) for p in prompts]
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+    if isinstance(policy, SpeculativeDecoding):  # lossless under the constraint, on this vocabulary too
+        greedy = llm.invoke(prompts[0], regex=pattern, policy=policy, temperature=0.0)
+        assert greedy == llm.invoke(prompts[0], regex=pattern, policy=LargeOnly(), temperature=0.0)
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_refused_before_it_runs() -> None:
+    from ead_llm import EntropyAdaptiveLLM
+
+    llm = EntropyAdaptiveLLM(max_tokens=12)
+    with pytest.raises(ValueError, match=r"no token of this vocabulary can continue the constraint.*'\{'"):
+        llm.invoke("4821+3907-1568\n", json_schema={"type": "object"})
+    assert llm.shared_engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+
+
+def test_a_tokenizer_llguidance_cannot_read_is_refused_in_one_sentence(tmp_path) -> None:
+    """A word-level tokenizer joins its tokens with spaces: neither readable by llguidance nor concatenative."""
+    from ead_llm.core.grammar import SUPPORTED_TOKENIZERS, grammar_tokenizer
+    from ead_llm.testing.tiny import big_vocab_tokenizer
+
+    tokenizer = big_vocab_tokenizer(300)
+    with pytest.raises(ValueError, match="constrained decoding needs a fast Hugging Face tokenizer") as refused:
+        grammar_tokenizer(tokenizer, 300, frozenset({1}))
+    assert str(refused.value).startswith(SUPPORTED_TOKENIZERS)
