@@ -207,7 +207,7 @@ def grammar_tokenizer(tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_t
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     special = set(getattr(tokenizer, "all_special_ids", ()))
-    texts = [tokenizer.decode([i], skip_special_tokens=False) for i in range(vocab_size)]
+    texts = [str(tokenizer.decode([i], skip_special_tokens=False)) for i in range(vocab_size)]
     probe = [i for i in tokenizer.encode(_PROBE, add_special_tokens=False) if i not in special]
     known = [i for i in probe if i != tokenizer.unk_token_id]
     if not known or tokenizer.decode(known) != "".join(texts[i] for i in known):

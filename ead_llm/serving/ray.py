@@ -14,20 +14,99 @@ shorter queue is the replica with the fewest running plus waiting sequences; a c
 only re-derive that number. ``max_ongoing_requests`` (default: the engine's ``max_batch``) caps what
 a replica accepts, so a full replica sends the next request elsewhere instead of queueing it.
 
-Failure contract: when a replica dies, Ray Serve replaces it; requests it held fail (HTTP 500 or a
-dropped connection) and are not retried by the server. A client retries them; with a ``seed`` (the
-default 0) a retried request gives the same text, so a retry is safe. New requests go to live replicas.
+Failure contract: when a replica dies, Ray Serve replaces it; a request it held that had not started
+its answer gets HTTP 503 with ``Retry-After: 1`` and an OpenAI-style error (a stream already under way
+is cut), and is not retried by the server. Clients retry 503s (OpenAI's and LangChain's do); with a
+``seed`` (the default 0) a retried request gives the same text, so a retry is safe. New requests go to
+live replicas. The 503 comes from :func:`proxy_middlewares`, installed in Serve's HTTP proxy through its
+``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH`` hook (Serve itself answers 500 when a replica dies): ``run``
+sets it for a local cluster; a cluster started elsewhere needs it in its environment
+(``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=ead_llm.serving.ray:proxy_middlewares ray start --head``).
+
+``run`` stops on SIGTERM as on Ctrl-C (Serve and Ray shut down, exit status 0).
 
 Needs ``pip install 'ead-llm[ray]'``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from typing import Any
 
 from ead_llm.core.validation import check_int
 
+logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-ead-replica"
+PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+PROXY_CALLBACK = "ead_llm.serving.ray:proxy_middlewares"
+RETRY_AFTER_S = 1
+
+
+class NoReplicaAnswered:
+    """ASGI middleware for Serve's HTTP proxy: a request no replica answered (its replica died, or none is up) gets
+    503 with ``Retry-After`` and an OpenAI-style error instead of Serve's bare 500. A replica's own answers (they
+    carry :data:`REPLICA_HEADER`) pass unchanged, errors included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = {"started": False, "replaced": False}
+
+        async def guarded(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = {bytes(k).lower() for k, _ in message.get("headers", [])}
+                if message["status"] >= 500 and REPLICA_HEADER.encode() not in headers:
+                    state["replaced"] = True
+                    await self._unavailable(send)
+                    return
+                state["started"] = True
+            elif state["replaced"]:
+                return  # the proxy's own body of the replaced answer
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded)
+        except Exception:
+            if state["started"] or state["replaced"]:
+                raise
+            logger.warning("no replica answered %s; answering 503", scope.get("path"))
+            await self._unavailable(send)
+            return
+        if not state["started"] and not state["replaced"]:
+            await self._unavailable(send)
+
+    @staticmethod
+    async def _unavailable(send: Any) -> None:
+        body = json.dumps(
+            {
+                "error": {
+                    "message": f"no replica could answer (one was lost or none is up): retry in {RETRY_AFTER_S} s",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "replica_unavailable",
+                }
+            }
+        ).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"retry-after", str(RETRY_AFTER_S).encode()),
+            (b"content-length", str(len(body)).encode()),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def proxy_middlewares() -> list[Any]:
+    """Serve's HTTP proxy callback (its ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH``): :class:`NoReplicaAnswered`."""
+    from starlette.middleware import Middleware
+
+    return [Middleware(NoReplicaAnswered)]
 
 
 def _ray() -> Any:
@@ -128,23 +207,43 @@ def run(
 ) -> Any:
     """Start Ray (a local cluster unless ``RAY_ADDRESS`` names one), Serve's HTTP proxy on ``host:port``, and
     ``app``; with ``blocking``, until interrupted (then everything shuts down)."""
+    import signal
+    import threading
+
     import ray
 
     serve = _ray()
     if not ray.is_initialized():
+        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # the proxy inherits the local cluster's environment
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(app, name="ead-llm", route_prefix="/")
+    elif os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
+        logger.warning(
+            "Ray was started without %s=%s: a lost replica's requests get Serve's 500 instead of 503 + Retry-After",
+            PROXY_CALLBACK_ENV,
+            PROXY_CALLBACK,
+        )
     if not blocking:
-        return handle
-    try:
-        import time
+        serve.start(http_options={"host": host, "port": port})
+        return serve.run(app, name="ead-llm", route_prefix="/")
+    stop = threading.Event()
 
-        while True:
-            time.sleep(3600)
+    def terminate(signum: int, frame: Any) -> None:  # Ray's own handler would abort the process
+        if not stop.is_set():
+            stop.set()
+            raise KeyboardInterrupt  # out of a deployment still starting; a waiting loop just ends
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    handle = None
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        handle = serve.run(app, name="ead-llm", route_prefix="/")
+        while not stop.wait(3600):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # shutting down: a second SIGTERM waits for it
         serve.shutdown()
         ray.shutdown()
+        signal.signal(signal.SIGTERM, previous)
     return handle

@@ -1,16 +1,22 @@
 """`ead-llm serve` on Ray Serve: a local Ray cluster with 2 replicas of the embedded pair on this machine.
 
-Requests spread over both replicas; the bill, streaming, per-request policies and seeds are those of one
-server; a killed replica is replaced and a client that retries (the documented contract) loses nothing;
-a cancelled stream frees its sequence; shutdown leaves no Ray process. Skipped where Ray Serve is not
+Requests spread over both replicas (four concurrent senders too); the bill, streaming, per-request policies
+and seeds are those of one server; a killed replica's requests get 503 with Retry-After, it is replaced, and
+a client that retries (the documented contract) loses nothing; a cancelled stream frees its sequence;
+shutdown leaves no Ray process; SIGTERM stops `ead-llm serve --replicas 2` with status 0. Skipped where Ray Serve is not
 installed (``pip install 'ead-llm[ray]'``; CI installs it).
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +29,7 @@ import ray
 from ray import serve
 
 from ead_llm import EntropyAdaptiveLLM
-from ead_llm.serving.ray import REPLICA_HEADER, deployment, run
+from ead_llm.serving.ray import PROXY_CALLBACK, PROXY_CALLBACK_ENV, REPLICA_HEADER, deployment, run
 
 PROMPT = "4821+3907-1568\n"
 BOUND_S = 180.0
@@ -54,6 +60,7 @@ def _ray_processes() -> list[str]:
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     port = _free_port()
+    os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # before the cluster starts: its proxy inherits it
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     run(deployment({"max_tokens": 200}, replicas=2, num_cpus=0.5), port=port, blocking=False)
     yield f"http://127.0.0.1:{port}"
@@ -100,6 +107,28 @@ def test_requests_spread_over_both_replicas_with_one_servers_text_and_bill(url: 
     assert len(replicas) == 2
 
 
+def test_four_concurrent_senders_spread_over_both_replicas(url: str) -> None:
+    counts: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+
+    def sender(k: int) -> None:
+        with httpx.Client(timeout=120) as client:  # keep-alive, as OpenAI's client
+            for i in range(15):
+                body = {"prompt": PROMPT, "max_tokens": 64, "ignore_eos": True, "seed": k * 100 + i}
+                response = client.post(f"{url}/v1/completions", json=body)
+                assert response.status_code == 200
+                with lock:
+                    counts[response.headers[REPLICA_HEADER]] += 1
+
+    threads = [threading.Thread(target=sender, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(counts.values()) == 60 and len(counts) == 2
+    assert max(counts.values()) <= 39, counts  # no replica above 65%
+
+
 def test_per_request_policy_and_streaming_through_ray(url: str, llm) -> None:
     reply = _complete(url, {"prompt": PROMPT, "max_tokens": 200, "policy": {"policy": "large"}}).json()
     assert reply["usage"]["large_fraction"] == 1.0
@@ -135,16 +164,40 @@ def test_a_cancelled_stream_frees_its_sequence_on_its_replica(url: str) -> None:
         time.sleep(0.5)
 
 
-def test_a_killed_replica_is_replaced_and_retried_requests_all_succeed(url: str, llm) -> None:
+def test_a_killed_replicas_requests_get_503_and_retried_requests_all_succeed(url: str, llm) -> None:
     text = llm.invoke(PROMPT)
     actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if "ead-llm" in a["name"]]
     replicas = [a for a in actors if "SERVE_REPLICA" in a["name"]]
     assert len(replicas) == 2
-    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]), no_restart=True)
+    answers: list[httpx.Response] = []
+
+    def long_request() -> None:
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+        answers.append(httpx.post(f"{url}/v1/completions", json=body, timeout=120))
+
+    senders = [threading.Thread(target=long_request) for _ in range(4)]
+    for sender in senders:
+        sender.start()
+    deadline = time.monotonic() + BOUND_S
+    while True:  # a health check goes to the less busy replica: busy too, it holds some of the requests
+        health = httpx.get(f"{url}/health", timeout=30)
+        if health.json()["running"]:
+            break
+        assert time.monotonic() < deadline, "the requests never reached a replica"
+    victim = next(a for a in replicas if a["name"].endswith(health.headers[REPLICA_HEADER]))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    for sender in senders:
+        sender.join()
+    statuses = sorted(a.status_code for a in answers)
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses  # never Serve's bare 500
+    for answer in answers:
+        if answer.status_code == 503:
+            assert answer.headers["retry-after"] == "1"
+            assert answer.json()["error"]["code"] == "replica_unavailable"
     for _ in range(6):  # some of these reach the dead replica first: the client retries, as documented
         reply = _complete(url, {"prompt": PROMPT, "max_tokens": 200}, retries=20).json()
         assert reply["choices"][0]["text"] == text
-    killed = replicas[0]["name"]
+    killed = victim["name"]
     deadline = time.monotonic() + BOUND_S
     while True:  # a new replica, not the killed one, and two running
         names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "SERVE_REPLICA" in a["name"]}
@@ -180,3 +233,34 @@ def test_the_cli_builds_the_deployment_it_is_asked_for(monkeypatch: pytest.Monke
     assert main(["serve", "--min-replicas", "1", "--max-replicas", "3", "--num-gpus", "1"]) == 0
     scaling = built[-1][0]._bound_deployment._deployment_config.autoscaling_config
     assert (scaling.min_replicas, scaling.max_replicas, scaling.target_ongoing_requests) == (1, 3, 32.0)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_with_replicas_cleanly(tmp_path) -> None:
+    """`ead-llm serve --replicas 2` in a process of its own: SIGTERM ends it with status 0 (Ray's own handler
+    would abort it) and leaves no Ray process."""
+    port = _free_port()
+    env = {key: value for key, value in os.environ.items() if key != PROXY_CALLBACK_ENV}
+    command = [sys.executable, "-m", "ead_llm.serving.cli", "serve", "--port", str(port), "--replicas", "2"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as sink:
+        process = subprocess.Popen([*command, "--num-cpus", "0.5"], env=env, stdout=sink, stderr=sink)
+    try:
+        deadline = time.monotonic() + BOUND_S
+        while True:
+            assert process.poll() is None, log.read_text(errors="replace")[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve never came up"
+            time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=BOUND_S) == 0, log.read_text(errors="replace")[-2000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    while _ray_processes():
+        assert time.monotonic() < deadline + BOUND_S, f"left running: {_ray_processes()}"
+        time.sleep(0.5)
