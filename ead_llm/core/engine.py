@@ -276,7 +276,8 @@ class Engine:
         self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
     ) -> AsyncEventStream:
         """:meth:`astream` with the checking and encoding (tokenizers, grammars) done in a worker thread, so the
-        event loop stays free; a bad request raises here. Cancelled while submitting, the requests never run."""
+        event loop stays free; a bad request raises here. Cancelled while submitting, the requests are cancelled
+        as soon as they are queued (they are retired at the end of the step running then)."""
         loop = asyncio.get_running_loop()
         work = asyncio.ensure_future(asyncio.to_thread(self.astream, requests, timeout_s, isolate=isolate, loop=loop))
         try:
