@@ -41,36 +41,6 @@ CANDIDATES = 64
 among them needs no sort of the vocabulary."""
 
 
-def top_k_filter(scaled: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
-    """``scaled`` ``[B, V]`` with each row's tokens below its ``top_k``-th largest value set to -inf (``top_k`` ``[B]``,
-    0 keeps the row; ``max_top_k``: the largest of them). Ties at the cut are kept: a row keeps every token as
-    likely as its k-th, so the kept set is a function of the values alone (never of an index order)."""
-    if max_top_k == 0:
-        return scaled
-    k = min(max_top_k, scaled.shape[-1])
-    kth = torch.topk(scaled, k, dim=-1).values  # [B, k], sorted: the values, whatever order ties come in
-    cut = kth.gather(1, (torch.clamp(top_k, min=1, max=k) - 1)[:, None])  # [B, 1]
-    return torch.where((top_k > 0)[:, None] & (scaled < cut), -torch.inf, scaled)
-
-
-def top_p_filter(logits: torch.Tensor, p: float | torch.Tensor) -> torch.Tensor:
-    """Nucleus filter on [..., V] (by a sort of the vocabulary; the engine's filter is :func:`filter_logits`):
-    keep each token whose strictly more likely tokens hold less than ``p`` of the mass (``p`` a float, or per
-    row a tensor such as [B, 1]). That is the smallest set of most likely tokens reaching ``p``, with ties at
-    its edge kept together. The most likely tokens are always kept; ``p >= 1`` keeps every token."""
-    if isinstance(p, (int, float)) and p >= 1.0:
-        return logits
-    sorted_logits = torch.sort(logits, dim=-1, descending=True).values  # [..., V]
-    weights = torch.exp(sorted_logits - sorted_logits[..., :1])
-    top_p = torch.as_tensor(p, device=logits.device)
-    if top_p.dim() == logits.dim():  # per row as [..., 1]
-        top_p = top_p.squeeze(-1)
-    floor = _nucleus_floor(
-        sorted_logits, weights, weights.sum(-1, dtype=torch.float64), top_p.expand(logits.shape[:-1])
-    )
-    return logits.masked_fill(logits < floor[..., None], float("-inf"))
-
-
 def _nucleus_floor(
     values: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -127,8 +97,9 @@ def kept_floor(
         floor = torch.where(top_k > 0, kth, floor)
     if not any_top_p:
         return floor, values, ids
-    total = _kept_mass(scaled, values, own, floor)
-    nucleus = _nucleus_floor(*_head(values, own, floor), total, top_p)
+    given, weights = _head(values, own, floor)
+    total = _kept_mass(scaled, values, own, floor, weights)
+    nucleus = _nucleus_floor(given, weights, total, top_p)
     nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
     for wider in (min(vocab, WIDER), vocab):
         deeper = torch.isnan(nucleus).nonzero().flatten()
@@ -152,11 +123,13 @@ def _head(values: torch.Tensor, width: torch.Tensor, floor: torch.Tensor) -> tup
     return given, torch.exp(given)
 
 
-def _kept_mass(scaled: torch.Tensor, values: torch.Tensor, own: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """Each row's weight ``exp(scaled)`` at or above its floor, float64 ``[B]``: from its candidates when they hold
-    all of it (its last candidate is below the floor), else over the vocabulary."""
+def _kept_mass(
+    scaled: torch.Tensor, values: torch.Tensor, own: torch.Tensor, floor: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Each row's weight ``exp(scaled)`` at or above its floor, float64 ``[B]``: from its candidates' ``weights``
+    (:func:`_head`'s) when they hold all of it (its last candidate is below the floor), else over the vocabulary."""
     last = values.gather(1, (own - 1)[:, None]).squeeze(1)
-    total = _head(values, own, floor)[1].sum(-1, dtype=torch.float64)
+    total = weights.sum(-1, dtype=torch.float64)
     spill = (last >= floor).nonzero().flatten()
     if len(spill):
         rows = scaled[spill]

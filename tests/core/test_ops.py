@@ -3,14 +3,18 @@ import math
 import pytest
 import torch
 
-from ead_llm.core.ops import (
-    apply_temperature,
-    entropy_bits,
-    forward_flops,
-    parameter_ratio,
-    top_k_filter,
-    top_p_filter,
-)
+from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits, forward_flops, parameter_ratio
+
+
+def kept(logits: torch.Tensor, top_p: float | list[float] = 1.0, top_k: int | list[int] = 0) -> list:
+    """Which tokens the engine's filter keeps (temperature 1) for ``logits`` ``[V]`` or ``[B, V]``."""
+    rows = logits if logits.dim() == 2 else logits[None]
+    batch = rows.shape[0]
+    p = torch.tensor(top_p if isinstance(top_p, list) else [top_p] * batch)
+    k = torch.tensor(top_k if isinstance(top_k, list) else [top_k] * batch)
+    out = filter_logits(rows, torch.ones(batch), k, p, max_top_k=int(k.max()), any_top_p=bool((p < 1).any()))
+    flags = (~torch.isinf(out)).tolist()
+    return flags if logits.dim() == 2 else flags[0]
 
 
 def test_entropy_bits_hand_computed() -> None:
@@ -35,36 +39,28 @@ def test_entropy_is_shift_invariant_and_batched() -> None:
 def test_top_p_keeps_smallest_nucleus() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log()
-    kept = ~torch.isinf(top_p_filter(logits, 0.7))
-    assert kept.tolist() == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
-    kept = ~torch.isinf(top_p_filter(logits, 0.8))
-    assert kept.tolist() == [True, True, False, False]  # mass before 3rd token is 0.8 >= 0.8
-    kept = ~torch.isinf(top_p_filter(logits, 0.81))
-    assert kept.tolist() == [True, True, True, False]
-    kept = ~torch.isinf(top_p_filter(logits, 0.01))
-    assert kept.tolist() == [True, False, False, False]
+    assert kept(logits, 0.7) == [True, True, False, False]  # 0.5 < 0.7 <= 0.8
+    assert kept(logits, 0.8) == [True, True, False, False]  # mass before 3rd token is 0.8 >= 0.8
+    assert kept(logits, 0.81) == [True, True, True, False]
+    assert kept(logits, 0.01) == [True, False, False, False]
     # order of the vocabulary does not matter
     perm = torch.tensor([2, 0, 3, 1])
-    kept_perm = ~torch.isinf(top_p_filter(logits[perm], 0.7))
-    assert kept_perm.tolist() == [False, True, False, True]
+    assert kept(logits[perm], 0.7) == [False, True, False, True]
 
 
 def test_top_p_keeps_a_tie_at_its_edge_together() -> None:
     probs = torch.tensor([0.4, 0.2, 0.2, 0.2])  # the edge of p = 0.5 falls inside the three-way tie
-    kept = ~torch.isinf(top_p_filter(probs.log(), 0.5))
-    assert kept.tolist() == [True, True, True, True]
-    kept = ~torch.isinf(top_p_filter(probs.log(), 0.4))  # mass before the tie is 0.4: not below 0.4
-    assert kept.tolist() == [True, False, False, False]
+    assert kept(probs.log(), 0.5) == [True, True, True, True]
+    assert kept(probs.log(), 0.4) == [True, False, False, False]  # mass before the tie is 0.4: not below 0.4
     flat = torch.zeros(2, 7)  # all equal: everything is the most likely
-    assert not torch.isinf(top_p_filter(flat, 0.01)).any()
+    assert kept(flat, 0.01) == [[True] * 7, [True] * 7]
     masked = torch.tensor([[0.0, -math.inf, -math.inf, 1.0]])
-    assert (~torch.isinf(top_p_filter(masked, 0.999))).tolist() == [[True, False, False, True]]
+    assert kept(masked, 0.999) == [[True, False, False, True]]
 
 
 def test_top_k_keeps_ties_at_the_cut() -> None:
     logits = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
-    kept = ~torch.isinf(top_k_filter(logits, torch.tensor([2, 1, 0]), 2))
-    assert kept.tolist() == [[True, True, True, True, False], [True] * 5, [True] * 5]
+    assert kept(logits, top_k=[2, 1, 0]) == [[True, True, True, True, False], [True] * 5, [True] * 5]
 
 
 def test_temperature_scales_odds_and_survives_tiny_values() -> None:
@@ -82,8 +78,7 @@ def test_temperature_scales_odds_and_survives_tiny_values() -> None:
 
 def test_top_p_takes_a_threshold_per_row() -> None:
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(2, 4)
-    kept = ~torch.isinf(top_p_filter(logits, torch.tensor([[0.7], [0.81]])))
-    assert kept.tolist() == [[True, True, False, False], [True, True, True, False]]
+    assert kept(logits, [0.7, 0.81]) == [[True, True, False, False], [True, True, True, False]]
 
 
 def test_parameter_ratio_formula() -> None:
