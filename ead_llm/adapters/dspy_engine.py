@@ -233,9 +233,12 @@ class PairEngine:
             events = await self.owner._aopen_events(engine_request)
         yield StreamStartEvent(model=request.model)
         models: list[str] = []
-        async for event, cost in events:
-            for item in self._stream_items(event, cost, models):
-                yield item
+        try:
+            async for event, cost in events:
+                for item in self._stream_items(event, cost, models):
+                    yield item
+        finally:  # a consumer that stops early frees the sequence now, not when the generator is collected
+            await events.aclose()  # type: ignore[attr-defined]
 
     def _stream_items(self, event: TokenEvent, cost: Cost | None, models: list[str]) -> Iterator[Any]:
         models.append(event.role.letter)
