@@ -36,6 +36,7 @@ import os
 from typing import Any
 
 from ead_llm.core.validation import check_int
+from ead_llm.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
 REPLICA_HEADER = "x-ead-replica"
@@ -83,16 +84,8 @@ class NoReplicaAnswered:
 
     @staticmethod
     async def _unavailable(send: Any) -> None:
-        body = json.dumps(
-            {
-                "error": {
-                    "message": f"no replica could answer (one was lost or none is up): retry in {RETRY_AFTER_S} s",
-                    "type": "server_error",
-                    "param": None,
-                    "code": "replica_unavailable",
-                }
-            }
-        ).encode()
+        message = f"no replica could answer (one was lost or none is up): retry in {RETRY_AFTER_S} s"
+        body = json.dumps(error_body(message, "server_error", code="replica_unavailable")).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"retry-after", str(RETRY_AFTER_S).encode()),

@@ -55,6 +55,7 @@ from ead_llm.core.request import Request as EngineRequest
 from ead_llm.core.types import TokenEvent
 from ead_llm.core.validation import check_int
 from ead_llm.policies.base import Policy, policy_from_description
+from ead_llm.serving.errors import error_body
 
 logger = logging.getLogger(__name__)
 UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
@@ -187,11 +188,6 @@ class RequestTooLarge(HTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"the request body is over {limit} bytes: send less")
-
-
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
 
 
 def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
