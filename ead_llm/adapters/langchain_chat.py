@@ -21,6 +21,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.base import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -32,18 +33,27 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
-from langchain_core.output_parsers import JsonOutputKeyToolsParser, PydanticToolsParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableBinding
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict
 
 from ead_llm.accounting.ledger import Cost
-from ead_llm.adapters.pair_model import PairModel
+from ead_llm.adapters.pair_model import CALL_OPTIONS, PairModel
 from ead_llm.adapters.prompts import prompt_text, render
-from ead_llm.adapters.structured import check_method, is_pydantic, json_schema_of, structured, text_parser
-from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, check_tools, chosen_tools, plan_tools, split_calls
+from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser, tool_parser
+from ead_llm.adapters.tool_calls import (
+    CallReader,
+    InvalidCall,
+    ToolCall,
+    ToolPlan,
+    check_tools,
+    chosen_tools,
+    finish_reason,
+    plan_tools,
+    read_answer,
+)
 from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Completion, Prompt, Request
 from ead_llm.core.types import TokenEvent
@@ -107,6 +117,10 @@ def _lc_call(call: ToolCall) -> Any:
     return tool_call(name=call.name, args=call.arguments, id=call.id)
 
 
+def _lc_invalid(call: InvalidCall) -> Any:
+    return invalid_tool_call(name=call.name, args=call.text, id=None, error=call.error)
+
+
 def _lc_chunk(call: ToolCall, index: int) -> Any:
     return tool_call_chunk(name=call.name, args=json.dumps(call.arguments, ensure_ascii=False), id=call.id, index=index)
 
@@ -146,7 +160,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="ead-llm",
-            ls_model_name=kwargs.get("model", self.pair_name),
+            ls_model_name=kwargs.get("model", self.model_name),
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
@@ -155,26 +169,47 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
             params["ls_stop"] = list(stop or self.stop or [])
         return params
 
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What LangChain may rely on: tools, a forced tool choice and structured output, all enforced by the
+        grammar (so ``create_agent(response_format=Model)`` picks the provider strategy: one constrained answer)."""
+        return ModelProfile(
+            tool_calling=True,
+            tool_choice=True,
+            tool_call_streaming=True,
+            structured_output=True,
+            text_inputs=True,
+            text_outputs=True,
+        )
+
+    def bind(self, **kwargs: Any) -> BoundChat:  # type: ignore[override]
+        """LangChain's ``bind``. Settings (``policy``, ``temperature``, ``max_tokens``, ``stop``, ...) become a copy
+        of this model sharing its engine, so they hold whatever LangChain or LangGraph does with the binding
+        (``bind_tools``, ``with_structured_output``, or unwrapping it to the model, as ``create_react_agent``
+        does); a bad value is refused at the call, where callbacks see it. Other options (tools) stay bound."""
+        return BoundChat(bound=self._with_settings(kwargs), kwargs=kwargs, config={})
+
+    def _with_settings(self, kwargs: dict[str, Any]) -> ChatEntropyAdaptive:
+        """This model with the settings among ``kwargs`` (popped) as its own; itself when there are none."""
+        settings = {name: kwargs.pop(name) for name in (*CALL_OPTIONS, "stop") if name in kwargs}
+        return self.model_copy(update=settings) if settings else self
+
     def bind_tools(
         self,
         tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
         *,
         tool_choice: ToolChoice = None,
         parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
         **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, AIMessage]:
+    ) -> BoundChat:
         """This model offering ``tools`` (LangChain tools, functions, pydantic models, TypedDicts or OpenAI
         specs). ``tool_choice``: ``auto`` (default: free text, calls parsed), ``none``, ``required``/``any``
         (one or more calls), or a tool's name (exactly that call); the last two are enforced by the grammar.
-        ``parallel_tool_calls=False`` allows one call at most."""
-        specs = check_tools([_tool_spec(t) for t in tools])
-        chosen_tools(specs, tool_choice)  # refuse a bad choice now, not at the first call
-        bound: dict[str, Any] = {"tools": specs, **kwargs}
-        if tool_choice is not None:
-            bound["tool_choice"] = tool_choice
-        if parallel_tool_calls is not None:
-            bound["parallel_tool_calls"] = parallel_tool_calls
-        return self.bind(**bound)
+        ``parallel_tool_calls=False`` allows one call at most (OpenAI's meaning); a call repeated word for word
+        in one answer counts once. ``response_format`` (OpenAI's, as ``create_agent``'s ``ProviderStrategy``
+        binds it) makes the answer either calls or that JSON. ``strict`` is accepted for compatibility (calls
+        are always valid under their schemas)."""
+        return _bind_tools(self, tools, tool_choice, parallel_tool_calls, kwargs)
 
     def with_structured_output(
         self,
@@ -187,43 +222,34 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
     ) -> Runnable[LanguageModelInput, dict | BaseModel]:
         """Answers parsed into ``schema`` (a pydantic class, a TypedDict, a JSON schema or an OpenAI tool
         spec). ``json_schema`` (default) constrains the answer to the schema; ``function_calling`` forces a
-        call of a tool named after it; ``json_mode`` constrains it to any JSON object. ``include_raw``
-        returns ``{"raw", "parsed", "parsing_error"}``. ``strict`` is accepted for compatibility (the
-        grammar is always strict)."""
-        if kwargs:
-            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
-        check_method(method)
-        trace = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
-        llm: Runnable
-        parser: Runnable
-        if method == "function_calling":
-            name = convert_to_openai_tool(schema)["function"]["name"]
-            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **trace)
-            parser = (
-                PydanticToolsParser(tools=[schema], first_tool_only=True)  # type: ignore[list-item]
-                if is_pydantic(schema)
-                else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True)
-            )
-        elif method == "json_schema":
-            llm, parser = self.bind(json_schema=json_schema_of(schema), **trace), text_parser(schema)
-        else:
-            llm, parser = self.bind(grammar=Constraint.json_object(), **trace), text_parser(schema)
-        return structured(llm, parser, include_raw)
+        call of a tool named after it; ``json_mode`` constrains it to any JSON object. An answer cut by
+        ``max_tokens``, or without the call, raises ``OutputParserException`` (as langchain-openai refuses a
+        ``finish_reason="length"`` answer); with ``include_raw`` the error is in ``parsing_error`` beside
+        ``raw`` and ``parsed=None``. ``strict`` is accepted for compatibility (the grammar is always strict)."""
+        return _structured_output(self, schema, method, include_raw, kwargs)
 
-    def _tools(self, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], str, Constraint | None]:
-        """Pops the tool options from ``kwargs``: the tools offered, the mode, and the grammar it imposes
-        (which becomes the call's ``grammar``)."""
-        offered, mode, constraint = plan_tools(
-            kwargs.pop("tools", None), kwargs.pop("tool_choice", None), kwargs.pop("parallel_tool_calls", None)
+    def _tools(self, kwargs: dict[str, Any]) -> ToolPlan:
+        """Pops the tool options (and OpenAI's ``response_format``) from ``kwargs``; the plan's grammar becomes
+        the call's ``grammar``."""
+        answer = Constraint.response_format(kwargs.pop("response_format", None), bounds=self.json_bounds)
+        plan = plan_tools(
+            kwargs.pop("tools", None),
+            kwargs.pop("tool_choice", None),
+            kwargs.pop("parallel_tool_calls", None),
+            answer=answer,
+            bounds=self.json_bounds,
         )
-        if constraint is not None and any(kwargs.get(name) is not None for name in ("json_schema", "regex", "grammar")):
-            raise ValueError("a required or named tool already constrains the answer: drop json_schema/regex/grammar")
-        if constraint is not None:
-            kwargs["grammar"] = constraint
-        return offered, mode, constraint
+        if plan.constraint is not None and self._constraint(kwargs) is not None:
+            raise ValueError("tools or a response_format already constrain the answer: drop json_schema/regex/grammar")
+        if plan.constraint is not None:
+            kwargs["grammar"] = plan.constraint
+        return plan
 
-    def _prompt(self, messages: list[BaseMessage], tools: list[dict[str, Any]] | None = None) -> Prompt:
-        return render(self.shared_engine.tokenizer, message_dicts(messages), self.resolved_prompt_format, tools)
+    def _prompt(self, messages: list[BaseMessage], plan: ToolPlan | None = None) -> Prompt:
+        tools, instruction = (plan.tools, plan.instruction()) if plan is not None else (None, None)
+        return render(
+            self.shared_engine.tokenizer, message_dicts(messages), self.resolved_prompt_format, tools, instruction
+        )
 
     def _generate(
         self,
@@ -277,68 +303,160 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
             yield chunk
 
     def _call(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _ChatCall:
-        tools, mode, _ = self._tools(kwargs)
-        prompt = self._prompt(messages, tools)
+        plan = self._tools(kwargs)
+        prompt = self._prompt(messages, plan)
         (request,) = self._requests([prompt], stop, kwargs)
-        return _ChatCall(self, request, tools, mode, prompt_text(self.shared_engine.tokenizer, prompt))
+        return _ChatCall(self, request, plan, prompt_text(self.shared_engine.tokenizer, prompt))
+
+
+class BoundChat(RunnableBinding):
+    """``chat.bind(...)``: LangChain's binding of a model whose bound settings are its own (see
+    :meth:`ChatEntropyAdaptive.bind`); ``bind_tools`` and ``with_structured_output`` keep the bound options."""
+
+    def bind(self, **kwargs: Any) -> BoundChat:
+        """More options on top of these (settings into a copy of the model, the rest bound)."""
+        model = self.bound
+        bound = model._with_settings(kwargs) if isinstance(model, ChatEntropyAdaptive) else model
+        return type(self)(
+            bound=bound,
+            kwargs={**self.kwargs, **kwargs},
+            config=self.config,
+            config_factories=self.config_factories,
+            custom_input_type=self.custom_input_type,
+            custom_output_type=self.custom_output_type,
+        )
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: ToolChoice = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> BoundChat:
+        """The model's ``bind_tools`` on top of this binding's options."""
+        return _bind_tools(self, tools, tool_choice, parallel_tool_calls, kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """The model's ``with_structured_output`` on top of this binding's options."""
+        return _structured_output(self, schema, method, include_raw, kwargs)
+
+
+def _bind_tools(
+    base: ChatEntropyAdaptive | BoundChat,
+    tools: Sequence[Any],
+    tool_choice: ToolChoice,
+    parallel: bool | None,  # noqa: FBT001 (private helper)
+    kwargs: dict[str, Any],
+) -> BoundChat:
+    specs = check_tools([_tool_spec(t) for t in tools])
+    chosen_tools(specs, tool_choice)  # refuse a bad choice now, not at the first call
+    bound: dict[str, Any] = {"tools": specs, **kwargs}
+    if tool_choice is not None:
+        bound["tool_choice"] = tool_choice
+    if parallel is not None:
+        bound["parallel_tool_calls"] = parallel
+    return base.bind(**bound)
+
+
+def _structured_output(
+    base: ChatEntropyAdaptive | BoundChat,
+    schema: Any,
+    method: str,
+    include_raw: bool,  # noqa: FBT001 (private helper)
+    kwargs: dict[str, Any],
+) -> Runnable[LanguageModelInput, dict | BaseModel]:
+    if kwargs:
+        raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+    check_method(method)
+    trace: dict[str, Any] = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
+    if method == "function_calling":
+        name = convert_to_openai_tool(schema)["function"]["name"]
+        llm = base.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **trace)
+        return structured(llm, tool_parser(schema, name), include_raw)
+    if method == "json_schema":
+        response_format = {"type": "json_schema", "json_schema": {"schema": json_schema_of(schema), "strict": True}}
+    else:
+        response_format = {"type": "json_object"}
+    return structured(base.bind(response_format=response_format, **trace), text_parser(schema), include_raw)
 
 
 class _ChatCall:
-    """One chat call: its engine request and how its text becomes a message (tool calls split out), whole or
+    """One chat call: its engine request and how its text becomes a message (tool calls read out), whole or
     streamed chunk by chunk."""
 
-    def __init__(
-        self, model: ChatEntropyAdaptive, request: Request, tools: list[dict[str, Any]], mode: str, salt: str
-    ) -> None:
-        self.model, self.request, self.tools, self.mode, self.salt = model, request, tools, mode, salt
-        self._splitter = CallSplitter(salt=salt) if mode != "none" else None
+    def __init__(self, model: ChatEntropyAdaptive, request: Request, plan: ToolPlan, prefix: str) -> None:
+        self.model, self.request, self.plan, self.prefix = model, request, plan, prefix
+        self._reader: CallReader | None = plan.reader()
         self._made = 0
+
+    def _metadata(self, cost: Cost, finish: str, models: str) -> dict[str, Any]:
+        """What an invoked message and a stream's last chunk both carry."""
+        return {
+            "finish_reason": finish,
+            "model_name": self.model.model_name,
+            "model_provider": "ead-llm",
+            "policy": describe_policy(self.request.policy),
+            "token_usage": dict(_usage(cost)),
+            "cost": cost.to_dict(),
+            "models": models,
+        }
 
     def result(self, completion: Completion, cost: Cost) -> ChatResult:
         model = self.model
-        content, calls, invalid = completion.text, list[ToolCall](), list[str]()
-        if self.mode != "none":
-            tokenizer = model.shared_engine.tokenizer
-            content, calls, invalid = split_calls(tokenizer, completion.text, self.salt, self.tools, self.salt)
-        metadata = {
-            "finish_reason": "tool_calls" if calls else completion.finish_reason.value,
-            "model_name": model.pair_name,
-            "cost": cost.to_dict(),
-            "models": "".join(r.letter for r in completion.roles),
-            "policy": describe_policy(self.request.policy),
-        }
+        engine_finish = completion.finish_reason.value
+        content, calls, invalid = completion.text, list[ToolCall](), list[InvalidCall]()
+        if self.plan.mode != "none":
+            content, calls, invalid = read_answer(
+                model.shared_engine.tokenizer,
+                completion.text,
+                engine_finish,
+                prefix=self.prefix,
+                tools=self.plan.tools,
+                parallel=self.plan.parallel,
+            )
+        finish = finish_reason(engine_finish, len(calls))
+        metadata = self._metadata(cost, finish, "".join(r.letter for r in completion.roles))
         message = AIMessage(
             content=content,
             tool_calls=[_lc_call(c) for c in calls],
-            invalid_tool_calls=[invalid_tool_call(args=block, error="not a JSON tool call") for block in invalid],
+            invalid_tool_calls=[_lc_invalid(c) for c in invalid],
             usage_metadata=_usage(cost),
             response_metadata=metadata,
         )
         return ChatResult(
-            generations=[ChatGeneration(message=message, generation_info={"finish_reason": metadata["finish_reason"]})],
-            llm_output={"token_usage": dict(_usage(cost)), "cost": cost.to_dict(), "model_name": model.pair_name},
+            generations=[ChatGeneration(message=message, generation_info={"finish_reason": finish})],
+            llm_output={"token_usage": dict(_usage(cost)), "cost": cost.to_dict(), "model_name": model.model_name},
         )
 
     def chunk(self, event: TokenEvent, cost: Cost | None) -> ChatGenerationChunk:
-        """The message chunk of one streamed token; the last carries the finish reason, usage and cost."""
-        last = cost is not None and event.finish_reason is not None
-        splitter = self._splitter
-        text, calls = (event.text, []) if splitter is None else splitter.push(event.text, last=last)
+        """The message chunk of one streamed token; the last carries what an invoked message carries."""
+        engine_finish = event.finish_reason.value if cost is not None and event.finish_reason is not None else None
+        reader = self._reader
+        text, calls, invalid = (event.text, [], []) if reader is None else reader.push(event.text, engine_finish)
         chunks = [_lc_chunk(c, self._made + i) for i, c in enumerate(calls)]
         self._made += len(calls)
-        metadata: dict[str, Any] = {"models": event.role.letter}
-        if not last:
+        if engine_finish is None:
+            metadata = {"models": event.role.letter}
             return ChatGenerationChunk(
                 message=AIMessageChunk(content=text, tool_call_chunks=chunks, response_metadata=metadata)
             )
-        assert cost is not None and event.finish_reason is not None
-        finish = "tool_calls" if self._made else event.finish_reason.value
-        metadata.update(finish_reason=finish, model_name=self.model.pair_name, cost=cost.to_dict())
+        assert cost is not None
         message = AIMessageChunk(
             content=text,
             tool_call_chunks=chunks,
+            invalid_tool_calls=[_lc_invalid(c) for c in invalid],
             usage_metadata=_usage(cost),
-            response_metadata=metadata,
+            response_metadata=self._metadata(cost, finish_reason(engine_finish, self._made), event.role.letter),
             chunk_position="last",
         )
         return ChatGenerationChunk(message=message)

@@ -8,8 +8,10 @@ model) are thin adapters over this: they turn their framework's input into engin
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -21,7 +23,7 @@ from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.accounting.tracking import report
 from ead_llm.adapters.prompts import PromptFormat
 from ead_llm.core.engine import Engine
-from ead_llm.core.grammar import Constraint, schema_of
+from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, schema_of
 from ead_llm.core.loading import LoadConfig
 from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
@@ -76,6 +78,7 @@ IDENTITY_FIELDS = (
     "json_schema",
     "regex",
     "grammar",
+    "json_bounds",
 )
 """Fields that decide the text (with the policy): what a cache key and ``asdict()`` hold."""
 DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
@@ -118,6 +121,10 @@ class PairModel(BaseModel):
     """Constrain every completion to match this regular expression in full."""
     grammar: Any = None
     """Constrain every completion to this Lark grammar (llguidance's dialect), or to a ``Constraint``."""
+    json_bounds: JsonBounds | None = DEFAULT_BOUNDS
+    """Length bounds of JSON the model writes under a schema (``json_schema``, structured output, tool
+    arguments) where the schema sets none: strings, integers, decimals, arrays (see ``JsonBounds``), so a weak
+    model ends a structured answer instead of looping to ``max_tokens``. None lifts them."""
     timeout: float | None = None
     """Seconds one call may take; past it the call raises ``TimeoutError`` and frees its caches."""
     max_retries: int = 2
@@ -219,6 +226,17 @@ class PairModel(BaseModel):
         return EMBEDDED_NAME if self.small is None else f"{self.small}+{self.large}"
 
     @property
+    def model_name(self) -> str:
+        """A short name for usage records and traces: ``ead-llm/embedded``, or ``ead-llm/`` and the large model's
+        name (its folder's or file's last part, or its Hub id); the policy is reported in its own field."""
+        if self.large is None:
+            return f"ead-llm/{EMBEDDED_NAME}"
+        path = Path(self.large)
+        if path.is_absolute() or path.exists():
+            return f"ead-llm/{path.name.removesuffix('.gguf')}"
+        return f"ead-llm/{self.large}"
+
+    @property
     def resolved_prompt_format(self) -> PromptFormat:
         """The prompt format in use (``prompt_format``, or its default for this pair)."""
         if self.prompt_format is not None:
@@ -244,7 +262,7 @@ class PairModel(BaseModel):
         if isinstance(value, Constraint):
             return value
         if name == "json_schema":
-            return Constraint.json_schema(value)
+            return Constraint.json_schema(value, bounds=self.json_bounds)
         if name == "regex":
             return Constraint.regex(value)
         return Constraint.lark(value)
@@ -293,6 +311,8 @@ class PairModel(BaseModel):
                 out[name] = value.describe()
             elif isinstance(value, type):
                 out[name] = schema_of(value)
+        if out["json_bounds"] is not None:
+            out["json_bounds"] = dataclasses.asdict(out["json_bounds"])
         policy = self.policy  # a per-call option is checked inside the run, so it may not be a policy yet
         out["policy"] = describe_policy(policy) if isinstance(policy, Policy) else repr(policy)
         if self.small is None:

@@ -100,6 +100,15 @@ def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def with_instruction(messages: list[dict[str, Any]], instruction: str | None) -> list[dict[str, Any]]:
+    """``messages`` with ``instruction`` appended to the first system message (or a system message first)."""
+    if not instruction:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"}, *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]
+
+
 def plain_messages(messages: list[dict[str, Any]], tools: Sequence[dict[str, Any]] | None) -> list[tuple[str, str]]:
     """``(role, text)`` turns with tools, calls and replies written as text (Hermes format)."""
     from ead_llm.adapters.tool_calls import assistant_text, tool_result_text, tools_instruction
@@ -141,10 +150,11 @@ def render(
     messages: Sequence[Message],
     fmt: PromptFormat,
     tools: Sequence[dict[str, Any]] | None = None,
+    instruction: str | None = None,
 ) -> Prompt:
     """The prompt (text, or token ids from a chat template) for ``messages`` in format ``fmt``, offering
-    ``tools`` (OpenAI function specs) when given."""
-    checked = check_messages(messages)
+    ``tools`` (OpenAI function specs) when given, with ``instruction`` added to the system text."""
+    checked = with_instruction(check_messages(messages), instruction)
     if fmt not in ("chat", "text"):
         raise ValueError(f"prompt_format must be 'chat' or 'text', got {fmt!r}")
     with_tools = _uses_tools(checked, tools)

@@ -17,19 +17,18 @@ parameter schemas, so such a call always parses, whichever model writes its toke
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ead_llm.core.grammar import Constraint, closed
+from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, closed
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8
 """Most calls one answer may hold under ``required`` (a bound, so a constrained answer always ends)."""
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -96,57 +95,109 @@ def chosen_tools(tools: list[dict[str, Any]], tool_choice: Any) -> tuple[list[di
     return [by_name[name]], "named"
 
 
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tool options mean: the tools offered to the model, the mode (``auto``, ``none``,
+    ``required``, ``named``), whether one answer may hold several calls, and the grammar imposed (None for
+    free text)."""
+
+    tools: list[dict[str, Any]]
+    mode: str
+    parallel: bool = True
+    constraint: Constraint | None = None
+    answer: Constraint | None = None
+    """The response format's constraint, when one was asked for."""
+
+    def instruction(self) -> str | None:
+        """The system text that tells the model the answer's format (None without a response format)."""
+        if self.answer is None or self.answer.kind not in ("json_schema", "json_object"):
+            return None
+        shape = (
+            "one JSON object"
+            if self.answer.kind == "json_object"
+            else f"one JSON value valid under this schema:\n{self.answer.source}"
+        )
+        when = "When you have the final answer, do not call a tool: answer" if self.tools else "Answer"
+        return f"{when} with {shape}"
+
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must call a tool (``required`` or a named tool)."""
+        return self.mode in ("required", "named")
+
+    def reader(self) -> CallReader | None:
+        """A reader of the answer's calls (None where no tool is offered)."""
+        return None if self.mode == "none" else CallReader(parallel=self.parallel)
+
+
 def plan_tools(
     tools: Any,
     tool_choice: Any,
     parallel_tool_calls: bool | None = None,  # noqa: FBT001 (OpenAI's field)
-) -> tuple[list[dict[str, Any]], str, Constraint | None]:
-    """What a request's tool options mean: the tools offered to the model, the mode (``auto``, ``none``,
-    ``required``, ``named``) and the grammar it imposes (None for free text). Refuses bad specs, and a
-    forcing ``tool_choice`` without tools (``ValueError``)."""
+    *,
+    answer: Constraint | None = None,
+    bounds: JsonBounds | None = DEFAULT_BOUNDS,
+) -> ToolPlan:
+    """The plan of a request's tool options. ``answer`` is the response format's constraint (OpenAI's
+    ``response_format``): with tools offered under ``auto`` the answer is either calls or that JSON (an agent's
+    structured final answer), alone it constrains the whole answer. Refuses bad specs, a forcing
+    ``tool_choice`` without tools, and a forced call together with a response format (``ValueError``)."""
     specs = check_tools(tools or [])
+    parallel = parallel_tool_calls is not False
     if not specs:
         if tool_choice not in (None, "auto", "none"):
             raise ValueError(f"tool_choice={tool_choice!r} needs tools to choose from")
-        return [], "none", None
+        return ToolPlan([], "none", parallel, answer, answer)
     offered, mode = chosen_tools(specs, tool_choice)
-    return offered, mode, tool_constraint(offered, mode, parallel=parallel_tool_calls is not False)
+    if mode == "none":
+        return ToolPlan([], "none", parallel, answer, answer)
+    if mode in ("required", "named") and answer is not None:
+        raise ValueError("a required or named tool and a response_format cannot both constrain one answer")
+    if mode == "auto" and answer is None:
+        return ToolPlan(offered, mode, parallel)
+    constraint = tool_constraint(offered, mode, parallel=parallel, answer=answer, bounds=bounds)
+    return ToolPlan(offered, mode, parallel, constraint, answer)
 
 
-def split_calls(
-    tokenizer: Any, text: str, prefix: str, tools: list[dict[str, Any]], salt: str
-) -> tuple[str, list[ToolCall], list[str]]:
-    """An answer's text, its calls and its unparsable ``<tool_call>`` blocks: by the tokenizer's response
-    template when it has one (:func:`parse_with_template`), else by :func:`parse_tool_calls`."""
-    native = parse_with_template(tokenizer, text, prefix, tools, salt=salt)
-    if native is not None:
-        return native[0], native[1], []
-    return parse_tool_calls(text, salt=salt)
-
-
-def call_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}``."""
-    options = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t["function"]["name"]}, "arguments": closed(t["function"]["parameters"])},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
+def call_schema(tools: list[dict[str, Any]], bounds: JsonBounds | None = DEFAULT_BOUNDS) -> dict[str, Any]:
+    """JSON schema of one call: ``{"name": <a tool>, "arguments": <its parameters>}`` (closed, and bounded
+    by ``bounds`` where the parameters set no bounds)."""
+    options = []
+    for t in tools:
+        arguments = closed(t["function"]["parameters"])
+        options.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": t["function"]["name"]},
+                    "arguments": arguments if bounds is None else bounds.apply(arguments),
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     schema = options[0] if len(options) == 1 else {"anyOf": options}
     return {**schema, "x-guidance": {"whitespace_flexible": False}}
 
 
-def tool_constraint(tools: list[dict[str, Any]], mode: str, *, parallel: bool = True) -> Constraint | None:
-    """The grammar of an answer that must call a tool (``required``, ``named``); None for free text."""
-    if mode not in ("required", "named"):
+def tool_constraint(
+    tools: list[dict[str, Any]],
+    mode: str,
+    *,
+    parallel: bool = True,
+    answer: Constraint | None = None,
+    bounds: JsonBounds | None = DEFAULT_BOUNDS,
+) -> Constraint | None:
+    """The grammar of an answer that must call a tool (``required``, ``named``), or under ``auto`` with a
+    response format must either call tools or be that JSON; None for free text."""
+    if mode not in ("required", "named", "auto") or (mode == "auto" and answer is None):
         return None
-    call = f'"{OPEN}\\n" %json {json.dumps(call_schema(tools))} "\\n{CLOSE}"'
-    more = MAX_PARALLEL_CALLS - 1 if parallel and mode == "required" else 0
-    start = "start: call" + (f' ("\\n" call){{0,{more}}}' if more else "")
-    return Constraint.lark(f"{start}\ncall: {call}\n")
+    call = f'"{OPEN}\\n" %json {json.dumps(call_schema(tools, bounds))} "\\n{CLOSE}"'
+    more = MAX_PARALLEL_CALLS - 1 if parallel and mode != "named" else 0
+    calls = "call" + (f' ("\\n" call){{0,{more}}}' if more else "")
+    if answer is None:
+        return Constraint.lark(f"start: {calls}\ncall: {call}\n")
+    return Constraint.lark(f"start: calls | answer\ncalls: {calls}\ncall: {call}\nanswer: {answer.lark_rule()}\n")
 
 
 def tools_instruction(tools: list[dict[str, Any]]) -> str:
@@ -159,46 +210,127 @@ def tools_instruction(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def call_id(index: int, name: str, arguments: dict[str, Any], salt: str = "") -> str:
-    """A stable id of a call (the same answer gets the same ids, as the same seed gets the same text)."""
-    digest = hashlib.sha256(f"{salt}|{index}|{name}|{json.dumps(arguments, sort_keys=True)}".encode()).hexdigest()
-    return f"call_{digest[:24]}"
+def call_id() -> str:
+    """A fresh id for one call (unique across calls, as OpenAI's are: an agent matches replies by it)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _call(raw: str, index: int, salt: str) -> ToolCall | None:
+@dataclass(frozen=True)
+class InvalidCall:
+    """A ``<tool_call>`` block that is not a call: the text as written and why (LangChain's
+    ``invalid_tool_calls``)."""
+
+    text: str
+    error: str
+    name: str | None = None
+
+
+CUT_ERROR = (
+    "the answer was cut by max_tokens (finish_reason='length') before this tool call was complete: raise max_tokens"
+)
+
+
+def _call(raw: str) -> ToolCall | str:
+    """The call written in a block, or why it is not one."""
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {exc}"
     if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return None
+        return 'not a call: expected {"name": ..., "arguments": {...}}'
     arguments = data.get("arguments", data.get("parameters", {}))
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
+        except json.JSONDecodeError as exc:
+            return f"arguments are not JSON: {exc}"
     if not isinstance(arguments, dict):
-        return None
-    return ToolCall(data["name"], arguments, call_id(index, data["name"], arguments, salt))
+        return "arguments must be a JSON object"
+    return ToolCall(data["name"], arguments, call_id())
 
 
-def parse_tool_calls(text: str, salt: str = "") -> tuple[str, list[ToolCall], list[str]]:
-    """Split an answer into its text and its ``<tool_call>`` blocks: ``(content, calls, invalid)``, where
-    ``invalid`` holds the blocks that are not a JSON call (they are left out of the content)."""
-    calls: list[ToolCall] = []
-    invalid: list[str] = []
-    for match in _BLOCK.finditer(text):
-        call = _call(match.group(1), len(calls), salt)
-        if call is None:
-            invalid.append(match.group(0))
-        else:
-            calls.append(call)
-    content = _BLOCK.sub("", text).strip() if calls or invalid else text
-    return content, calls, invalid
+def _partial_name(raw: str) -> str | None:
+    match = re.search(r'"name"\s*:\s*"([^"]*)"', raw)
+    return match.group(1) if match else None
 
 
-def parse_with_template(tokenizer: Any, text: str, prefix: str, tools: list[dict[str, Any]], salt: str = "") -> Any:
+class CallReader:
+    """Reads one answer's tool calls as it is written (whole or token by token).
+
+    ``push`` returns the text that is surely not part of a ``<tool_call>`` block, the calls completed so far
+    and the blocks that are not calls. A call identical to an earlier one in the same answer (a weak model
+    repeating itself) is dropped, and with ``parallel=False`` every call after the first (OpenAI's
+    ``parallel_tool_calls=false``: one call at most). At the end (``finish`` given) a block left open is
+    invalid, with the reason (cut by ``max_tokens``, or never closed); it is never left in the text.
+    """
+
+    def __init__(self, *, parallel: bool = True) -> None:
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []
+        self.dropped = 0
+        """Calls dropped as repeats, or beyond the first without parallel calls."""
+        self._held = ""
+
+    def push(self, text: str, finish: str | None = None) -> tuple[str, list[ToolCall], list[InvalidCall]]:
+        self._held += text
+        out: list[str] = []
+        calls: list[ToolCall] = []
+        invalid: list[InvalidCall] = []
+        while True:
+            start = self._held.find(OPEN)
+            if start < 0:
+                keep = 0 if finish is not None else _partial_suffix(self._held, OPEN)
+                out.append(self._held[: len(self._held) - keep])
+                self._held = self._held[len(self._held) - keep :]
+                break
+            out.append(self._held[:start])
+            end = self._held.find(CLOSE, start)
+            if end < 0:
+                self._held = self._held[start:]
+                if finish is not None:
+                    error = CUT_ERROR if finish == "length" else f"a {OPEN} block that was never closed"
+                    invalid.append(InvalidCall(self._held, error, _partial_name(self._held)))
+                    self._held = ""
+                break
+            block = self._held[start : end + len(CLOSE)]
+            self._held = self._held[end + len(CLOSE) :]
+            call = _call(block[len(OPEN) : -len(CLOSE)].strip())
+            if isinstance(call, str):
+                invalid.append(InvalidCall(block, call, _partial_name(block)))
+            elif self._keeps(call):
+                calls.append(call)
+        return "".join(out), calls, invalid
+
+    def _keeps(self, call: ToolCall) -> bool:
+        repeated = any(c.name == call.name and c.arguments == call.arguments for c in self.calls)
+        if repeated or (self.calls and not self.parallel):
+            self.dropped += 1
+            return False
+        self.calls.append(call)
+        return True
+
+
+def read_answer(
+    tokenizer: Any,
+    text: str,
+    finish: str,
+    *,
+    prefix: str = "",
+    tools: Sequence[dict[str, Any]] = (),
+    parallel: bool = True,
+) -> tuple[str, list[ToolCall], list[InvalidCall]]:
+    """A whole answer's text, calls and invalid blocks: by the tokenizer's response template when it has one
+    (:func:`parse_with_template`), else by :class:`CallReader`; repeats dropped either way."""
+    reader = CallReader(parallel=parallel)
+    native = parse_with_template(tokenizer, text, prefix, list(tools))
+    if native is None:
+        content, calls, invalid = reader.push(text, finish)
+        return (content.strip() if calls or invalid else content), calls, invalid
+    content, calls = native
+    return content, [c for c in calls if reader._keeps(c)], []
+
+
+def parse_with_template(tokenizer: Any, text: str, prefix: str, tools: list[dict[str, Any]]) -> Any:
     """The tokenizer's own response parser (transformers' ``parse_response``) when it has a
     ``response_template``: ``(content, calls)``; None when it has none or its parse fails."""
     if getattr(tokenizer, "response_template", None) is None:
@@ -216,46 +348,8 @@ def parse_with_template(tokenizer: Any, text: str, prefix: str, tools: list[dict
                 arguments = json.loads(arguments)
             except json.JSONDecodeError:
                 return None
-        calls.append(ToolCall(function["name"], arguments, call_id(len(calls), function["name"], arguments, salt)))
+        calls.append(ToolCall(function["name"], arguments, call_id()))
     return str(parsed.get("content") or ""), calls
-
-
-class CallSplitter:
-    """Streams an answer's text while holding back ``<tool_call>`` blocks: ``push`` returns the text that
-    is surely not part of a block, and the calls completed so far."""
-
-    def __init__(self, salt: str = "") -> None:
-        self._held = ""
-        self._calls = 0
-        self._salt = salt
-
-    def push(self, text: str, *, last: bool = False) -> tuple[str, list[ToolCall]]:
-        self._held += text
-        out, calls = [], []
-        while True:
-            start = self._held.find(OPEN)
-            if start < 0:
-                keep = 0 if last else _partial_suffix(self._held, OPEN)
-                out.append(self._held[: len(self._held) - keep])
-                self._held = self._held[len(self._held) - keep :]
-                break
-            out.append(self._held[:start])
-            end = self._held.find(CLOSE, start)
-            if end < 0:
-                self._held = self._held[start:]
-                if last:  # an unclosed block at the end is text, not a call
-                    out.append(self._held)
-                    self._held = ""
-                break
-            block = self._held[start : end + len(CLOSE)]
-            call = _call(block[len(OPEN) : -len(CLOSE)].strip(), self._calls, self._salt)
-            if call is None:
-                out.append(block)
-            else:
-                calls.append(call)
-                self._calls += 1
-            self._held = self._held[end + len(CLOSE) :]
-        return "".join(out), calls
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -278,3 +372,8 @@ def assistant_text(content: str, calls: Sequence[dict[str, Any]]) -> str:
 def tool_result_text(content: str) -> str:
     """A tool's reply, for templates without a ``tool`` role."""
     return f"<tool_response>\n{content}\n</tool_response>"
+
+
+def finish_reason(engine_finish: str, calls: int) -> str:
+    """OpenAI's finish reason of an answer: ``tool_calls`` when it called tools, unless it was cut (``length``)."""
+    return "tool_calls" if calls and engine_finish != "length" else engine_finish

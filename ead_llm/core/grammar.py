@@ -91,6 +91,70 @@ def closed(schema: Any) -> Any:
 
 
 @dataclass(frozen=True)
+class JsonBounds:
+    """Length bounds added to a JSON schema where it sets none, so that a weak model ends a structured answer
+    instead of writing one number, string or list until ``max_tokens`` (``11.1111...``). A schema's own
+    ``maxLength``/``minimum``/``maximum``/``multipleOf``/``maxItems`` always win; pass ``json_bounds=None``
+    (or ``Constraint.json_schema(..., bounds=None)``) to lift them all. Whitespace between JSON tokens is
+    never allowed (compact JSON), so it cannot run on either."""
+
+    max_string_length: int = 256
+    """Most characters of a string without ``maxLength``."""
+    max_integer_digits: int = 15
+    """Integers without ``minimum``/``maximum`` lie within +-(10**digits - 1)."""
+    max_fraction_digits: int = 6
+    """Numbers without ``multipleOf`` take at most this many digits after the point (and the integer bound)."""
+    max_items: int = 64
+    """Most items of an array without ``maxItems``."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_string_length", "max_integer_digits", "max_fraction_digits", "max_items"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"JsonBounds.{name} must be a positive integer, got {value!r}")
+
+    def apply(self, schema: Any) -> Any:
+        """``schema`` with these bounds where it has none (recursively through every sub-schema)."""
+        if not isinstance(schema, dict):
+            return schema
+        out = dict(schema)
+        for key in _SCHEMA_MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: self.apply(sub) for name, sub in out[key].items()}
+        for key in _SCHEMA_ONE:
+            if isinstance(out.get(key), dict):
+                out[key] = self.apply(out[key])
+            elif isinstance(out.get(key), list):
+                out[key] = [self.apply(sub) for sub in out[key]]
+        for key in _SCHEMA_LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [self.apply(sub) for sub in out[key]]
+        if "enum" in out or "const" in out:
+            return out
+        given = out.get("type")
+        kinds = set(given) if isinstance(given, list) else {given}
+        if "string" in kinds and "maxLength" not in out and "format" not in out:
+            out["maxLength"] = max(self.max_string_length, out.get("minLength", 0))
+        if kinds & {"integer", "number"}:
+            limit = 10**self.max_integer_digits - 1
+            if not {"minimum", "exclusiveMinimum"} & set(out):
+                out["minimum"] = -limit
+            if not {"maximum", "exclusiveMaximum"} & set(out):
+                out["maximum"] = limit
+            if "number" in kinds and "integer" not in kinds and "multipleOf" not in out:
+                out["multipleOf"] = 10.0**-self.max_fraction_digits
+        if "array" in kinds and "maxItems" not in out:
+            out["maxItems"] = max(self.max_items, out.get("minItems", 0))
+        return out
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+DEFAULT_BOUNDS = JsonBounds()
+
+
+@dataclass(frozen=True)
 class Constraint:
     """What every generated token must obey (checked when built: a bad grammar raises ``ValueError``).
 
@@ -102,6 +166,8 @@ class Constraint:
     """The schema as canonical JSON, the pattern, or the Lark grammar ('' for ``json_object``)."""
     grammar: str = field(default="", compare=False, repr=False)
     """llguidance's grammar, derived."""
+    source: str = field(default="", compare=False, repr=False)
+    """A JSON schema as given (before ``strict`` closed it and bounds were added): what a prompt shows."""
 
     def __post_init__(self) -> None:
         if self.kind not in _KINDS:
@@ -125,12 +191,17 @@ class Constraint:
         object.__setattr__(self, "grammar", grammar)
 
     @classmethod
-    def json_schema(cls, schema: Any, *, strict: bool = True) -> Constraint:
+    def json_schema(cls, schema: Any, *, strict: bool = True, bounds: JsonBounds | None = DEFAULT_BOUNDS) -> Constraint:
         """Output is one JSON value valid under ``schema`` (a dict, JSON text, pydantic model or TypedDict).
         ``strict`` (as OpenAI's strict mode): objects that do not say otherwise take no properties beyond
-        those listed, so the model cannot wander into keys nobody asked for."""
-        schema = schema_of(schema)
-        return cls("json_schema", json.dumps(closed(schema) if strict else schema, separators=(",", ":")))
+        those listed, so the model cannot wander into keys nobody asked for. ``bounds``: the length bounds
+        added where the schema sets none (:class:`JsonBounds`; None for none)."""
+        given = schema = schema_of(schema)
+        if strict:
+            schema = closed(schema)
+        if bounds is not None:
+            schema = bounds.apply(schema)
+        return cls("json_schema", json.dumps(schema, separators=(",", ":")), source=json.dumps(given))
 
     @classmethod
     def json_object(cls) -> Constraint:
@@ -150,6 +221,39 @@ class Constraint:
         if not isinstance(grammar, str) or not grammar.strip():
             raise ValueError(f"grammar must be a non-empty Lark grammar, got {grammar!r}")
         return cls("lark", grammar)
+
+    @classmethod
+    def response_format(cls, value: Any, *, bounds: JsonBounds | None = DEFAULT_BOUNDS) -> Constraint | None:
+        """The constraint of OpenAI's ``response_format``: ``{"type": "json_object"}``, ``{"type": "json_schema",
+        "json_schema": {"schema": ..., "strict": ...}}`` (or the flat shape with ``schema`` beside ``type``), or a
+        pydantic class; None for ``text``. ``ValueError`` for anything else."""
+        if value is None:
+            return None
+        if isinstance(value, type):
+            return cls.json_schema(value, bounds=bounds)
+        if not isinstance(value, dict):
+            raise ValueError(f"response_format must be a dict or a pydantic class, got {value!r}")
+        kind = value.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return cls.json_object()
+        if kind == "json_schema":
+            spec = value.get("json_schema", value)
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise ValueError("response_format json_schema needs a 'schema' object")
+            return cls.json_schema(schema, strict=spec.get("strict") is not False, bounds=bounds)
+        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+
+    def lark_rule(self) -> str:
+        """This constraint as the body of a rule in a Lark grammar (to combine it with others)."""
+        if self.kind in ("json_schema", "json_object"):
+            schema = json.loads(self.spec) if self.kind == "json_schema" else {"type": "object"}
+            return f"%json {json.dumps({**schema, 'x-guidance': {'whitespace_flexible': False}})}"
+        if self.kind == "regex":
+            return "/" + self.spec.replace("/", "\\/") + "/"
+        raise ValueError("a Lark grammar cannot be nested in another constraint")
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "spec": self.spec}

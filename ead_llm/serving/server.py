@@ -48,8 +48,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
 from ead_llm.adapters.prompts import prompt_text, render
-from ead_llm.adapters.tool_calls import CallSplitter, ToolCall, plan_tools, split_calls
-from ead_llm.core.grammar import Constraint
+from ead_llm.adapters.tool_calls import CallReader, ToolCall, ToolPlan, finish_reason, plan_tools, read_answer
+from ead_llm.core.grammar import Constraint, JsonBounds
 from ead_llm.core.request import Completion, Prompt
 from ead_llm.core.request import Request as EngineRequest
 from ead_llm.core.types import TokenEvent
@@ -223,7 +223,7 @@ def _call_of(call: ToolCallIn) -> dict[str, Any]:
     return {"name": call.function.name, "arguments": arguments, "id": call.id}
 
 
-def _response_format(value: ResponseFormat | None) -> Constraint | None:
+def _response_format(value: ResponseFormat | None, bounds: JsonBounds | None) -> Constraint | None:
     """The constraint of OpenAI's ``response_format``: ``text`` (none), ``json_object``, ``json_schema``."""
     if value is None or value.type == "text":
         return None
@@ -232,7 +232,9 @@ def _response_format(value: ResponseFormat | None) -> Constraint | None:
     if value.json_schema is None or value.json_schema.schema_ is None:
         raise ServerError("response_format.json_schema.schema must be a JSON schema object", param="response_format")
     try:
-        return Constraint.json_schema(value.json_schema.schema_, strict=value.json_schema.strict is not False)
+        return Constraint.json_schema(
+            value.json_schema.schema_, strict=value.json_schema.strict is not False, bounds=bounds
+        )
     except ValueError as exc:
         raise ServerError(f"response_format: {exc}", param="response_format") from exc
 
@@ -425,7 +427,7 @@ class Server:
                 param="max_tokens",
             )
 
-    def _chat_prompt(self, body: ChatBody, tools: list[dict[str, Any]]) -> Prompt:
+    def _chat_prompt(self, body: ChatBody, plan: ToolPlan) -> Prompt:
         messages = []
         for m in body.messages:
             message: dict[str, Any] = {
@@ -437,24 +439,21 @@ class Server:
             if m.role == "tool":
                 message["tool_call_id"], message["name"] = m.tool_call_id, m.name
             messages.append(message)
-        return render(self.llm.shared_engine.tokenizer, messages, self.llm.resolved_prompt_format, tools)
+        llm = self.llm
+        return render(llm.shared_engine.tokenizer, messages, llm.resolved_prompt_format, plan.tools, plan.instruction())
 
-    @staticmethod
-    def _tools(body: ChatBody) -> tuple[list[dict[str, Any]], str, Constraint | None]:
-        """The tools offered, the tool mode, and the constraint (a forced tool, or the response format)."""
+    def _tools(self, body: ChatBody) -> ToolPlan:
+        """The tools offered, the tool mode, and the constraint (forced calls, the response format, or either)."""
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
         choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, BaseModel) else body.tool_choice
+        bounds = self.llm.json_bounds
+        answer = _response_format(body.response_format, bounds)
         try:
-            offered, mode, constraint = plan_tools(tools, choice, body.parallel_tool_calls)
+            return plan_tools(tools, choice, body.parallel_tool_calls, answer=answer, bounds=bounds)
         except ValueError as exc:
-            raise ServerError(str(exc), param="tools" if "tool_choice" not in str(exc) else "tool_choice") from exc
-        response = _response_format(body.response_format)
-        if constraint is not None and response is not None:
-            raise ServerError(
-                "a required or named tool and a response_format cannot both constrain one answer",
-                param="response_format",
-            )
-        return offered, mode, constraint or response
+            text = str(exc)
+            param = next((p for p in ("response_format", "tool_choice") if p in text), "tools")
+            raise ServerError(text, param=param) from exc
 
     # -- jobs ---------------------------------------------------------------------------------------
 
@@ -487,22 +486,31 @@ class Server:
     def chat(self, body: ChatBody) -> Job:
         """Check and prepare a chat completions request."""
         self._check(body, 1)
-        tools, mode, constraint = self._tools(body)
-        prompt = self._chat_prompt(body, tools)
-        requests = self._requests([prompt], body, constraint)
+        plan = self._tools(body)
+        prompt = self._chat_prompt(body, plan)
+        requests = self._requests([prompt], body, plan.constraint)
         tokenizer = self.llm.shared_engine.tokenizer
-        salt = prompt_text(tokenizer, prompt)
+        prefix = prompt_text(tokenizer, prompt)
 
         def respond(completions: list[Completion], total: Cost) -> dict[str, Any]:
             choices = []
             for c in completions:
                 content, calls = c.text, list[ToolCall]()
-                if mode != "none":
-                    content, calls, _ = split_calls(tokenizer, c.text, salt, tools, f"{salt}|{c.index}")
+                if plan.mode != "none":
+                    content, calls, invalid = read_answer(
+                        tokenizer,
+                        c.text,
+                        c.finish_reason.value,
+                        prefix=prefix,
+                        tools=plan.tools,
+                        parallel=plan.parallel,
+                    )
+                    if not calls and plan.forced:
+                        raise ServerError(_no_call(invalid[0].error if invalid else None), param="max_tokens")
                 message: dict[str, Any] = {"role": "assistant", "content": content if content or not calls else None}
                 if calls:
                     message["tool_calls"] = [call.openai() for call in calls]
-                finish = "tool_calls" if calls else c.finish_reason.value
+                finish = finish_reason(c.finish_reason.value, len(calls))
                 choices.append({"index": c.index, "message": message, "finish_reason": finish, "logprobs": None})
             return self._envelope("chat.completion", choices, total)
 
@@ -510,8 +518,7 @@ class Server:
         if body.stream:
 
             def stream(events: AsyncIterator[tuple[TokenEvent, Cost | None]]) -> AsyncIterator[str]:
-                splitter = CallSplitter(salt=f"{salt}|0") if mode != "none" else None
-                return self._chunks("chat.completion.chunk", events, body, splitter)
+                return self._chunks("chat.completion.chunk", events, body, plan)
 
         return Job(requests, respond, stream)
 
@@ -535,10 +542,12 @@ class Server:
         kind: str,
         events: AsyncIterator[tuple[TokenEvent, Cost | None]],
         body: _Body,
-        splitter: CallSplitter | None = None,
+        plan: ToolPlan | None = None,
     ) -> AsyncIterator[str]:
         """Server-sent events: one chunk per token; the last carries finish_reason and usage. A failure after the
-        first byte ends the stream with an ``error`` event (OpenAI's clients raise it)."""
+        first byte ends the stream with an ``error`` event (OpenAI's clients raise it), as does a forced tool call
+        that the answer never completed."""
+        reader: CallReader | None = plan.reader() if plan is not None else None
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chat = kind.startswith("chat")
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # one id for all the chunks
@@ -547,17 +556,15 @@ class Server:
             async for event, cost in events:
                 finish = None if event.finish_reason is None else event.finish_reason.value
                 if chat:
-                    text, calls = (
-                        (event.text, []) if splitter is None else splitter.push(event.text, last=finish is not None)
-                    )
+                    text, calls, invalid = (event.text, [], []) if reader is None else reader.push(event.text, finish)
                     delta: dict[str, Any] = {"content": text}
                     if first:
                         delta["role"] = "assistant"
                     if calls:
                         delta["tool_calls"] = [{"index": calls_made + i, **c.openai()} for i, c in enumerate(calls)]
                         calls_made += len(calls)
-                    if finish is not None and calls_made:
-                        finish = "tool_calls"
+                    if finish is not None:
+                        finish = finish_reason(finish, calls_made)
                     choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None}
@@ -569,6 +576,10 @@ class Server:
                 yield f"data: {json.dumps(chunk)}\n\n"
                 if cost is not None and include_usage:
                     yield f"data: {json.dumps(self._envelope(kind, [], cost, completion_id))}\n\n"
+                if chat and finish is not None and not calls_made and plan is not None and plan.forced:
+                    error = _no_call(invalid[0].error if invalid else None)
+                    yield f"data: {json.dumps(error_body(error, 'invalid_request_error', 'max_tokens'))}\n\n"
+                    return
         except Exception as exc:  # the status line is sent: the error goes in the stream
             logger.warning("a stream failed after it started: %s", exc)
             kind_of = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
@@ -579,6 +590,13 @@ class Server:
             if close is not None:
                 await close()
         yield "data: [DONE]\n\n"
+
+
+def _no_call(reason: str | None) -> str:
+    """Why an answer that had to call a tool holds no call (OpenAI's words for a cut answer)."""
+    return "Could not finish the message because max_tokens was reached before the tool call was complete: " + (
+        "raise max_tokens" if reason is None else reason
+    )
 
 
 async def _until_disconnected(request: Request) -> None:

@@ -22,6 +22,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from ead_llm import EAD, ChatEntropyAdaptive
+from ead_llm.core.grammar import JsonBounds
 from tests.tiny_pairs import chat_pair
 
 
@@ -33,7 +34,9 @@ class _Params:
     @property
     def chat_model_params(self) -> dict[str, Any]:
         small, large = chat_pair()
-        return {"small": small, "large": large, "policy": EAD(threshold=3.0, min_dwell=2)}
+        # a random model never judges a string done: short strings end its structured answers within max_tokens
+        bounds = JsonBounds(max_string_length=24)
+        return {"small": small, "large": large, "policy": EAD(threshold=3.0, min_dwell=2), "json_bounds": bounds}
 
     @property
     def supports_model_override(self) -> bool:

@@ -116,8 +116,12 @@ def test_response_format_json_schema_and_json_object(client: openai.OpenAI, stri
         messages=[{"role": "user", "content": "A person."}],
         response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}},
     )
-    person = json.loads(reply.choices[0].message.content or "")
-    assert person["name"] in ("Ada", "Alan") and 0 <= person["age"] <= 99
+    text = reply.choices[0].message.content or ""
+    if strict or reply.choices[0].finish_reason == "stop":  # not strict: a random model may add keys to the limit
+        person = json.loads(text)
+        assert person["name"] in ("Ada", "Alan") and 0 <= person["age"] <= 99
+    else:
+        assert text.startswith('{"name":"A')
     obj = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "{}"}],
