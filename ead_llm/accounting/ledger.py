@@ -191,3 +191,14 @@ class CompletionLedger:
             cost_usd=usd,
             extra=dict(self._counters),
         )
+
+
+def cache_hit_bill(cost: dict[str, Any]) -> dict[str, Any]:
+    """The bill of an answer a cache returned: every count and price of ``cost`` (the stored answer's bill) at
+    zero, ``cache_hit`` set, so that summing bills never counts the stored work twice."""
+    out: dict[str, Any] = {
+        key: type(value)(0) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+        for key, value in cost.items()
+    }
+    out["cache_hit"] = True
+    return out

@@ -51,6 +51,11 @@ class CostTracker:
                 return {}
             return Cost.total(self._costs, wall_time_s=self._wall_time_s).to_dict()
 
+    @property
+    def cost_usd(self) -> float | None:
+        """USD of the counted calls; None when no prices were set (``pricing=``) or nothing was counted."""
+        return self.cost.get("cost_usd")
+
     def __getattr__(self, name: str) -> Any:
         """``tracker.large_tokens`` etc.: any key of the summed cost dict."""
         if name.startswith("_"):

@@ -48,6 +48,8 @@ class _Scope:
 
     candidates: itertools.count[int]
     rollout: Any
+    ran: int = 0
+    """Engine runs made for this call (0 when DSPy's cache answered it)."""
 
 
 _SCOPE: ContextVar[_Scope | None] = ContextVar("ead_llm_dspy_call", default=None)
@@ -66,7 +68,16 @@ def candidate_scope(rollout: Any = None) -> Iterator[None]:
 
 def _next_candidate() -> tuple[int | None, Any]:
     scope = _SCOPE.get()
-    return (None, None) if scope is None else (next(scope.candidates), scope.rollout)
+    if scope is None:
+        return None, None
+    scope.ran += 1
+    return next(scope.candidates), scope.rollout
+
+
+def answered_from_cache() -> bool:
+    """Whether the DSPy call in progress was answered without running the engine (a cache hit)."""
+    scope = _SCOPE.get()
+    return scope is not None and scope.ran == 0
 
 
 def rollout_seed(seed: int | None, rollout: Any) -> int | None:
@@ -136,8 +147,9 @@ def _options(request: LMRequest) -> dict[str, Any]:
     engine's grammar constraint)."""
     config = request.config
     refused = [name for name in _UNSUPPORTED_CONFIG if getattr(config, name, None) is not None]
-    if request.tools or refused or config.extensions:
-        names = refused + (["tools"] if request.tools else []) + sorted(config.extensions or {})
+    extensions = {k: v for k, v in (config.extensions or {}).items() if k != "metadata"}  # tags: no effect
+    if request.tools or refused or extensions:
+        names = refused + (["tools"] if request.tools else []) + sorted(extensions)
         raise UnsupportedFeatureError(
             f"ead-llm cannot honour {names}: use a text adapter "
             "(ChatAdapter, or CompletionAdapter on the embedded pair)"

@@ -39,7 +39,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import BaseModel, ConfigDict
 
-from ead_llm.accounting.ledger import Cost
+from ead_llm.accounting.ledger import Cost, cache_hit_bill
 from ead_llm.adapters.pair_model import CALL_OPTIONS, PairModel
 from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser, tool_parser
@@ -141,6 +141,10 @@ def _usage(cost: Cost) -> UsageMetadata:
     )
 
 
+def _zero_usage() -> UsageMetadata:
+    return UsageMetadata(input_tokens=0, output_tokens=0, total_tokens=0)
+
+
 class ChatEntropyAdaptive(PairModel, BaseChatModel):
     """The pair as a LangChain chat model; the same settings and per-call overrides as ``EntropyAdaptiveLLM``."""
 
@@ -168,6 +172,24 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop or [])
         return params
+
+    def _convert_cached_generations(self, cache_val: list[Any]) -> list[ChatGeneration]:
+        """A LangChain cache hit: the stored message with a zero bill (``response_metadata["cost"]`` with
+        ``cache_hit``, ``usage_metadata`` at zero), so that no way of summing the bill counts it twice."""
+        out = []
+        for generation in super()._convert_cached_generations(cache_val):
+            message = generation.message
+            if isinstance(message, AIMessage) and isinstance(message.response_metadata.get("cost"), dict):
+                metadata = dict(message.response_metadata)
+                metadata["cost"] = cache_hit_bill(metadata["cost"])
+                metadata["token_usage"] = dict(_zero_usage())
+                metadata["cache_hit"] = True
+                update = {"response_metadata": metadata, "usage_metadata": _zero_usage()}
+                generation = ChatGeneration(
+                    message=message.model_copy(update=update), generation_info=generation.generation_info
+                )
+            out.append(generation)
+        return out
 
     def _resolve_model_profile(self) -> ModelProfile | None:
         """What LangChain may rely on: tools, a forced tool choice and structured output, all enforced by the

@@ -42,8 +42,8 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.runnables.config import get_config_list
 from pydantic import ConfigDict, PrivateAttr
 
-from ead_llm.accounting.ledger import Cost, Pricing
-from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, candidate_scope
+from ead_llm.accounting.ledger import Cost, Pricing, cache_hit_bill
+from ead_llm.adapters.dspy_engine import AsyncPairEngine, PairEngine, answered_from_cache, candidate_scope
 from ead_llm.adapters.pair_model import CALL_OPTIONS, LOAD_FIELDS, PairModel
 from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser
 from ead_llm.core.grammar import Constraint
@@ -128,10 +128,17 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
 
     @property
     def model(self) -> str:
-        """DSPy's name of this LM: the pair and the policy (both decide the output)."""
+        """DSPy's name of this LM (its usage key): ``ead-llm/`` and the large model's name. The pair and the
+        policy, which also decide the output, ride in the request's ``metadata`` (:meth:`dspy_metadata`), so
+        DSPy's cache never hands one policy's answer to another."""
+        return self.model_name
+
+    def dspy_metadata(self) -> dict[str, str]:
+        """OpenAI's ``metadata`` of this LM's DSPy requests: the pair as given and the policy (part of DSPy's
+        cache key; they never change how a request decodes)."""
         policy = self.policy  # a per-call option not yet checked may be anything: the run will refuse it
         tag = policy_tag(policy) if isinstance(policy, Policy) else repr(policy)
-        return f"ead-llm/{self.pair_name}@{tag}" + (",ignore_eos" if self.ignore_eos else "")
+        return {"ead_llm_pair": self.pair_name, "ead_llm_policy": tag + (",ignore_eos" if self.ignore_eos else "")}
 
     @property
     def model_type(self) -> Literal["chat", "text"]:
@@ -169,7 +176,9 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             defaults["top_k"] = self.top_k
         if self.stop:
             defaults["stop"] = list(self.stop)
-        return {**{k: v for k, v in defaults.items() if v is not None}, **self._dspy_extra}
+        extra = dict(self._dspy_extra)
+        metadata = {**(extra.pop("metadata", None) or {}), **self.dspy_metadata()}
+        return {**{k: v for k, v in defaults.items() if v is not None}, **extra, "metadata": metadata}
 
     def _set_dspy_kwarg(self, key: str, value: Any) -> None:
         if key in ("temperature", "max_tokens", "top_p", "top_k", "seed", "stop"):
@@ -277,7 +286,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         self._engine_store = {}
 
     def update_history(self, entry: dict[str, Any]) -> None:
-        """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording."""
+        """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording; a
+        cache hit's is a zero bill with ``cache_hit`` (as DSPy's own ``usage`` is empty then)."""
         responses = entry.get("response")
         costs = []
         for response in responses if isinstance(responses, (list, tuple)) else [responses]:
@@ -288,6 +298,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
                 )
         if costs:
             total = Cost.total(costs, wall_time_s=sum(c.wall_time_s for c in costs)).to_dict()
+            if answered_from_cache():  # DSPy's stored response: its work is not done, nor billed, again
+                total = cache_hit_bill(total)
             entry["ead_cost"] = total
             if entry.get("cost") is None and "cost_usd" in total:
                 entry["cost"] = total["cost_usd"]
@@ -332,7 +344,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "ead-llm"
-        params["ls_model_name"] = self.pair_name
+        params["ls_model_name"] = self.model_name
         return params
 
     def bind_tools(self, tools: Any, **kwargs: Any) -> Any:
@@ -462,7 +474,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
                     "total_tokens": total.prompt_tokens + total.completion_tokens,
                 },
                 "cost": total.to_dict(),
-                "model_name": self.pair_name,
+                "model_name": self.model_name,
                 "policy": describe_policy(requests[0].policy if requests else self._policy()),
             },
         )
@@ -537,7 +549,7 @@ def _report_on_end(run_manager: CallbackManagerForLLMRun | AsyncCallbackManagerF
     def on_llm_end(response: LLMResult, **kwargs: Any) -> Any:
         if response.llm_output is None and response.generations and response.generations[0]:
             info = response.generations[0][0].generation_info or {}
-            output = {**_bill(info), "model_name": llm.pair_name, "policy": describe_policy(llm._policy())}
+            output = {**_bill(info), "model_name": llm.model_name, "policy": describe_policy(llm._policy())}
             response = LLMResult(generations=response.generations, llm_output=output, run=response.run)
         return original(response, **kwargs)
 

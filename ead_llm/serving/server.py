@@ -240,10 +240,8 @@ def _response_format(value: ResponseFormat | None, bounds: JsonBounds | None) ->
 
 
 def default_model_name(llm: EntropyAdaptiveLLM) -> str:
-    """A short model id: ``ead-llm/embedded``, or ``ead-llm/<large model's last path part>``."""
-    if llm.large is None:
-        return "ead-llm/embedded"
-    return "ead-llm/" + llm.large.rstrip("/").split("/")[-1].removesuffix(".gguf")
+    """A short model id: ``ead-llm/embedded``, or ``ead-llm/`` and the large model's name."""
+    return llm.model_name
 
 
 # -- limits ---------------------------------------------------------------------------------------------

@@ -58,7 +58,8 @@ def test_one_object_is_both_frameworks_models(llm: EntropyAdaptiveLLM) -> None:
 
     assert isinstance(llm, dspy.LM) and isinstance(llm, BaseLLM)
     assert {llm: 1}[llm] == 1 and llm != llm.copy()
-    assert llm.model.startswith("ead-llm/embedded@ead(") and llm.model_type == "text"
+    assert llm.model == "ead-llm/embedded" and llm.model_type == "text"
+    assert llm.kwargs["metadata"]["ead_llm_policy"].startswith("ead(")  # the policy in its own field
     prompt = PROBLEMS[0].prompt
     assert llm(prompt, cache=False) == [llm.invoke(prompt)]
 

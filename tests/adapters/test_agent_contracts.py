@@ -1,0 +1,263 @@
+"""What an agent framework relies on, tried to break on a tiny random pair: forced calls that are never doubled or
+silent, bound settings that survive LangChain's and LangGraph's wrapping, bounded structured answers, one bill
+however it is read, unique call ids and short model names. (The same recipes on SmolLM2 are in
+``integrations/agents_smollm2.py``, run by CI's slow set.)"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import dspy
+import httpx
+import pytest
+from langchain_core.caches import InMemoryCache
+from langchain_core.exceptions import OutputParserException
+from langchain_core.messages import AIMessage
+from pydantic import BaseModel, Field
+
+from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly, track_cost
+from ead_llm.adapters.tool_calls import CallReader
+from ead_llm.core.grammar import Constraint, JsonBounds
+from ead_llm.serving.server import create_app
+from tests.adapters.test_tools import pair
+from tests.serving.conftest import serve
+
+
+class Add(BaseModel):
+    """Add two integers."""
+
+    a: int
+    b: int
+
+
+class Note(BaseModel):
+    """A note."""
+
+    title: str = Field(description="a short title")
+    stars: int
+
+
+@pytest.fixture(scope="module")
+def chat() -> ChatEntropyAdaptive:
+    small, large = pair()
+    return ChatEntropyAdaptive(small=small, large=large, max_tokens=120)
+
+
+# -- forced calls ---------------------------------------------------------------------------------------
+
+
+def test_a_repeated_call_counts_once_and_leaves_no_markup(chat: ChatEntropyAdaptive) -> None:
+    block = '<tool_call>\n{"name": "Add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    forced = chat.bind_tools([Add], tool_choice="required")
+    for seed in range(6):
+        message = forced.invoke("What is 1 + 2?", seed=seed, temperature=1.0)
+        pairs = [(c["name"], json.dumps(c["args"], sort_keys=True)) for c in message.tool_calls]
+        assert message.tool_calls and len(pairs) == len(set(pairs))  # never the same call twice
+        assert "<tool_call>" not in message.content and "</tool_call>" not in message.content
+    content, calls, _ = CallReader().push(f"{block}\n{block}\n{block}", "stop")
+    assert len(calls) == 1 and "<tool_call>" not in content
+
+
+def test_parallel_tool_calls_false_means_at_most_one_call_under_auto_too(chat: ChatEntropyAdaptive) -> None:
+    block = '<tool_call>\n{{"name": "Add", "arguments": {{"a": {a}, "b": 2}}}}\n</tool_call>'
+    text = "\n".join(block.format(a=a) for a in range(3))
+    assert len(CallReader(parallel=False).push(text, "stop")[1]) == 1
+    assert len(CallReader(parallel=True).push(text, "stop")[1]) == 3
+    for seed in range(3):
+        message = chat.bind_tools([Add], parallel_tool_calls=False).invoke("1 + 2?", seed=seed, temperature=1.0)
+        assert len(message.tool_calls) <= 1
+
+
+def test_a_forced_call_cut_by_max_tokens_is_an_invalid_call_with_the_reason(chat: ChatEntropyAdaptive) -> None:
+    forced = chat.bind_tools([Add], tool_choice="Add")
+    message = forced.invoke("What is 1 + 2?", max_tokens=6)
+    assert message.tool_calls == [] and message.response_metadata["finish_reason"] == "length"
+    (invalid,) = message.invalid_tool_calls
+    assert "max_tokens" in invalid["error"] and invalid["args"].startswith("<tool_call>")
+    assert "<tool_call>" not in message.content
+    streamed = None
+    for chunk in forced.stream("What is 1 + 2?", max_tokens=6):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None and streamed.invalid_tool_calls and not streamed.tool_calls
+    assert "<tool_call>" not in streamed.content
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema", "json_mode"])
+def test_structured_output_cut_by_max_tokens_is_never_silent(chat: ChatEntropyAdaptive, method: str) -> None:
+    structured = chat.with_structured_output(Add, method=method)  # type: ignore[arg-type]
+    with pytest.raises(OutputParserException, match="max_tokens"):
+        structured.invoke("1 + 2?", max_tokens=4)  # type: ignore[call-arg]
+    raw = chat.bind(max_tokens=4).with_structured_output(Add, method=method, include_raw=True)  # type: ignore[arg-type]
+    out = raw.invoke("1 + 2?")
+    assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException)
+    assert "max_tokens" in str(out["parsing_error"]) and isinstance(out["raw"], AIMessage)
+
+
+def test_ids_are_fresh_per_call(chat: ChatEntropyAdaptive) -> None:
+    forced = chat.bind_tools([Add], tool_choice="Add")
+    first, second = forced.invoke("What is 1 + 2?"), forced.invoke("What is 1 + 2?")
+    assert first.tool_calls[0]["args"] == second.tool_calls[0]["args"]  # the same answer (greedy)...
+    assert first.tool_calls[0]["id"] != second.tool_calls[0]["id"]  # ...with its own id
+
+
+# -- bound settings ---------------------------------------------------------------------------------------
+
+
+def _policy(message: AIMessage) -> str:
+    return message.response_metadata["policy"]["policy"]
+
+
+def test_bound_settings_survive_bind_tools_structured_output_and_unwrapping(chat: ChatEntropyAdaptive) -> None:
+    bound = chat.bind(policy=LargeOnly(), max_tokens=50)
+    assert _policy(bound.invoke("hi")) == "large_only"
+    tools = bound.bind_tools([Add], tool_choice="Add")
+    assert _policy(tools.invoke("1 + 2?")) == "large_only"
+    assert tools.bind(temperature=0.0).bound.policy == LargeOnly()  # type: ignore[attr-defined]
+    assert bound.bound.policy == LargeOnly() and bound.bound.max_tokens == 50  # type: ignore[attr-defined]
+    raw = bound.with_structured_output(Add, method="function_calling", include_raw=True).invoke("1 + 2?")
+    assert _policy(raw["raw"]) == "large_only"
+    assert _policy(chat.invoke("hi")) == "ead"  # the model itself is unchanged
+    assert bound.bind(policy=SmallOnly()).bound.policy == SmallOnly()  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="policy"):
+        chat.bind(policy="fast").invoke("hi")  # refused at the call, where callbacks see it
+
+
+# -- bounds ------------------------------------------------------------------------------------------------
+
+
+def _accepts(constraint: Constraint, text: str) -> bool:
+    import llguidance
+    from llguidance.hf import from_tokenizer
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(pair()[1])
+    matcher = llguidance.LLMatcher(from_tokenizer(tokenizer), constraint.grammar, log_level=0)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+
+def test_schema_grammars_bound_numbers_strings_and_lists_unless_lifted() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "x": {"type": "number"}, "s": {"type": "string"}},
+        "required": ["n", "x", "s"],
+    }
+    bounded, free = Constraint.json_schema(schema), Constraint.json_schema(schema, bounds=None)
+    ok = '{"n":-12,"x":1.5,"s":"hi"}'
+    long_int, long_frac = '{"n":' + "1" * 16 + ',"x":1,"s":""}', '{"n":1,"x":1.1234567,"s":""}'
+    long_string = '{"n":1,"x":1,"s":"' + "a" * 257 + '"}'
+    assert _accepts(bounded, ok) and _accepts(free, ok)
+    for text in (long_int, long_frac, long_string):
+        assert not _accepts(bounded, text) and _accepts(free, text)
+    own = Constraint.json_schema({"type": "string", "maxLength": 400})  # a schema's own bound wins
+    assert _accepts(own, '"' + "a" * 300 + '"')
+    tight = Constraint.json_schema({"type": "array", "items": {"type": "integer"}}, bounds=JsonBounds(max_items=2))
+    assert _accepts(tight, "[1,2]") and not _accepts(tight, "[1,2,3]")
+    with pytest.raises(ValueError, match="max_items"):
+        JsonBounds(max_items=0)
+
+
+def test_a_weak_model_ends_a_structured_answer_under_the_bounds() -> None:
+    small, large = pair()
+    tight = ChatEntropyAdaptive(small=small, large=large, max_tokens=200, json_bounds=JsonBounds(max_string_length=8))
+    for seed in range(3):
+        note = tight.with_structured_output(Note).invoke("A note.", seed=seed, temperature=1.0)  # type: ignore[call-arg]
+        assert isinstance(note, Note) and len(note.title) <= 8
+
+
+# -- the bill ----------------------------------------------------------------------------------------------
+
+
+def test_cost_usd_is_none_without_prices(chat: ChatEntropyAdaptive) -> None:
+    with track_cost() as tracker:
+        chat.invoke("hi", max_tokens=3)
+    assert tracker.cost_usd is None and "cost_usd" not in tracker.cost
+    priced = chat.model_copy(update={"pricing": Pricing(small_output=1.0, large_output=10.0, large_input=1.0)})
+    with track_cost() as tracker:
+        priced.invoke("hi", max_tokens=3)
+    assert tracker.cost_usd is not None and tracker.cost_usd > 0
+
+
+def test_a_langchain_cache_hit_is_billed_once_however_it_is_read() -> None:
+    small, large = pair()
+    cached = ChatEntropyAdaptive(small=small, large=large, max_tokens=12, cache=InMemoryCache())
+    with track_cost() as tracker:
+        first, second = cached.invoke("hi"), cached.invoke("hi")
+    assert second.content == first.content and second.response_metadata.get("cache_hit") is True
+    assert tracker.calls == 1 and tracker.completion_tokens == first.response_metadata["cost"]["completion_tokens"]
+    bills = [m.response_metadata["cost"] for m in (first, second)]
+    assert sum(b["completion_tokens"] for b in bills) == tracker.completion_tokens
+    assert sum(b["flops"] for b in bills) == tracker.flops
+    usage = [m.usage_metadata for m in (first, second)]
+    assert sum(u["output_tokens"] for u in usage if u) == tracker.completion_tokens
+
+
+def test_a_dspy_cache_hit_is_billed_once_however_it_is_read(tmp_path: Path) -> None:
+    small, large = pair()
+    dspy.configure_cache(enable_disk_cache=True, enable_memory_cache=False, disk_cache_dir=str(tmp_path))
+    try:
+        lm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=6)
+        with track_cost() as tracker, dspy.track_usage() as usage:
+            first, second = lm("hello"), lm("hello")
+        assert first == second and tracker.calls == 1
+        bills = [entry["ead_cost"] for entry in lm.history]
+        assert bills[1]["cache_hit"] and bills[1]["completion_tokens"] == 0
+        assert sum(b["completion_tokens"] for b in bills) == tracker.completion_tokens
+        assert usage.get_total_tokens()[lm.model]["completion_tokens"] == tracker.completion_tokens
+        with track_cost() as other:  # another policy is another cache entry: never the first policy's answer
+            lm.copy(policy=LargeOnly())("hello")
+        assert other.calls == 1
+    finally:
+        dspy.configure_cache(enable_disk_cache=False, enable_memory_cache=True, disk_cache_dir=tempfile.mkdtemp())
+
+
+def test_a_streamed_message_carries_what_an_invoked_one_does(chat: ChatEntropyAdaptive) -> None:
+    invoked = chat.invoke("hi", max_tokens=8)
+    streamed = None
+    for chunk in chat.stream("hi", max_tokens=8):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert streamed is not None and streamed.content == invoked.content
+    for key in ("policy", "token_usage", "model_name", "finish_reason", "model_provider"):
+        assert streamed.response_metadata[key] == invoked.response_metadata[key], key
+    assert streamed.usage_metadata == invoked.usage_metadata
+
+
+def test_model_names_are_short_and_never_a_path(chat: ChatEntropyAdaptive) -> None:
+    large = Path(pair()[1])
+    assert chat.model_name == f"ead-llm/{large.name}"
+    message = chat.invoke("hi", max_tokens=2)
+    assert message.response_metadata["model_name"] == chat.model_name and str(large) not in str(
+        message.response_metadata
+    )
+    lm = EntropyAdaptiveLLM(small=pair()[0], large=str(large), max_tokens=2, cache=False)
+    assert lm.model == chat.model_name and "/" not in lm.model.removeprefix("ead-llm/")
+    assert lm._get_ls_params()["ls_model_name"] == chat.model_name
+    assert EntropyAdaptiveLLM().model == "ead-llm/embedded"
+
+
+# -- the server ----------------------------------------------------------------------------------------------
+
+
+def test_the_server_never_answers_a_forced_call_without_a_call_or_an_error() -> None:
+    small, large = pair()
+    tool = {"type": "function", "function": {"name": "Add", "parameters": Add.model_json_schema()}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "1 + 2?"}],
+        "tools": [tool],
+        "tool_choice": "required",
+        "max_tokens": 5,
+    }
+    for url in serve(create_app(EntropyAdaptiveLLM(small=small, large=large), "m")):
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "max_tokens"
+        assert "max_tokens" in reply.json()["error"]["message"]
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as stream:
+            events = [line.removeprefix("data: ") for line in stream.iter_lines() if line.startswith("data: ")]
+        chunks = [json.loads(e) for e in events if e != "[DONE]"]
+        assert chunks[-1]["error"]["param"] == "max_tokens"  # the stream ends in an error, not a silent stop
+        assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "length" for c in chunks)
+        ok = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 120}, timeout=60).json()
+        assert ok["choices"][0]["finish_reason"] == "tool_calls" and ok["choices"][0]["message"]["tool_calls"]
