@@ -33,6 +33,7 @@ from dspy.lm15 import (
 from dspy.lm15 import Request as LMRequest
 
 from ead_llm.accounting.ledger import Cost
+from ead_llm.adapters.dspy_formats import chat_adapter_constraint
 from ead_llm.adapters.prompts import render
 from ead_llm.core.grammar import Constraint
 from ead_llm.core.request import Completion, PromptTooLongError, Request
@@ -193,10 +194,16 @@ class PairEngine:
     def _request(self, request: LMRequest) -> Request:
         validate_request(request)
         owner = self.owner
-        prompt = render(owner.shared_engine.tokenizer, _messages(request), owner.model_type)
+        turns = _messages(request)
+        prompt = render(owner.shared_engine.tokenizer, turns, owner.model_type)
         stop = list(request.config.stop) or None
         candidate, rollout = _next_candidate()
         options = _options(request)
+        if "grammar" not in options and owner.enforce_adapter_format and owner.model_type == "chat":
+            budget = options.get("max_tokens", owner.max_tokens)
+            constraint = chat_adapter_constraint(turns, owner.json_bounds, budget)
+            if constraint is not None:
+                options["grammar"] = constraint
         seed = rollout_seed(options.get("seed", owner.seed), rollout)
         if seed is not None:
             options["seed"] = seed

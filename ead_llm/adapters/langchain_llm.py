@@ -73,6 +73,7 @@ _STATE_FIELDS = (
     "max_batch",
     "kv_budget_tokens",
     "prompt_format",
+    "enforce_adapter_format",
     *LOAD_FIELDS,
 )
 
@@ -108,6 +109,10 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
+    enforce_adapter_format: bool = True
+    """DSPy: decode an answer to DSPy's ``ChatAdapter`` under a grammar of the format it asked for (its field
+    markers in order, typed values, free text bounded), so it always parses; chat-format pairs only."""
+
     # DSPy's LM state (what dspy.LM.__init__ would set), declared so pydantic accepts it.
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)
     _dspy_extra: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -138,7 +143,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         cache key; they never change how a request decodes)."""
         policy = self.policy  # a per-call option not yet checked may be anything: the run will refuse it
         tag = policy_tag(policy) if isinstance(policy, Policy) else repr(policy)
-        return {"ead_llm_pair": self.pair_name, "ead_llm_policy": tag + (",ignore_eos" if self.ignore_eos else "")}
+        flags = (",ignore_eos" if self.ignore_eos else "") + ("" if self.enforce_adapter_format else ",free_format")
+        return {"ead_llm_pair": self.pair_name, "ead_llm_policy": tag + flags}
 
     @property
     def model_type(self) -> Literal["chat", "text"]:

@@ -8,16 +8,19 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 import dspy
 import httpx
 import pytest
+from dspy.adapters import ChatAdapter
 from langchain_core.caches import InMemoryCache
 from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage
 from pydantic import BaseModel, Field
 
 from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly, track_cost
+from ead_llm.adapters.dspy_formats import chat_adapter_constraint
 from ead_llm.adapters.tool_calls import CallReader
 from ead_llm.core.grammar import Constraint, JsonBounds
 from ead_llm.serving.server import create_app
@@ -261,3 +264,46 @@ def test_the_server_never_answers_a_forced_call_without_a_call_or_an_error() -> 
         assert any(c.get("choices") and c["choices"][0]["finish_reason"] == "length" for c in chunks)
         ok = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 120}, timeout=60).json()
         assert ok["choices"][0]["finish_reason"] == "tool_calls" and ok["choices"][0]["message"]["tool_calls"]
+
+
+# -- DSPy's ChatAdapter -----------------------------------------------------------------------------------------
+
+
+class Report(dspy.Signature):
+    """Answer."""
+
+    question: str = dspy.InputField()
+    reasoning: str = dspy.OutputField()
+    answer: int = dspy.OutputField()
+    kind: Literal["a", "b c"] = dspy.OutputField()
+    flag: bool = dspy.OutputField()
+    data: list[int] = dspy.OutputField()
+
+
+def test_the_chat_adapter_format_becomes_a_grammar() -> None:
+    messages = ChatAdapter().format(Report, demos=[], inputs={"question": "q?"})
+    constraint = chat_adapter_constraint([(m["role"], m["content"]) for m in messages])
+    assert constraint is not None
+    good = (
+        "[[ ## reasoning ## ]]\nThink [a].\n\nMore.\n\n[[ ## answer ## ]]\n42\n\n[[ ## kind ## ]]\nb c\n\n"
+        "[[ ## flag ## ]]\nTrue\n\n[[ ## data ## ]]\n[1,2]\n\n[[ ## completed ## ]]"
+    )
+    assert _accepts(constraint, good)
+    assert ChatAdapter().parse(Report, good)["answer"] == 42
+    for bad in (good.replace("42", "forty"), good.replace("b c", "d"), good.replace("True", "yes")):
+        assert not _accepts(constraint, bad)
+    assert not _accepts(constraint, good.replace("[[ ## kind ## ]]\nb c\n\n", ""))  # every field, in order
+    assert chat_adapter_constraint([("user", "plain question")]) is None  # not the adapter's format: free
+
+
+def test_dspy_programs_parse_with_the_default_adapter_on_a_random_pair() -> None:
+    small, large = pair()
+    bounds = JsonBounds(max_items=4)  # a random model's list: short, so the answer fits max_tokens
+    lm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=300, cache=False, json_bounds=bounds)
+    with dspy.context(lm=lm, adapter=None):
+        for seed in range(3):
+            out = dspy.Predict(Report)(question="q?", config={"seed": seed, "temperature": 1.0})
+            assert isinstance(out.answer, int) and out.kind in ("a", "b c") and isinstance(out.data, list)
+    assert all(entry["outputs"][0].startswith("[[ ## reasoning ## ]]") for entry in lm.history)  # no fallback
+    free = lm.copy(enforce_adapter_format=False)
+    assert free.dspy_metadata() != lm.dspy_metadata()  # another cache entry
