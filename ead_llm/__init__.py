@@ -18,6 +18,7 @@ _WHERE = {
     "CompletionStreamListener": "ead_llm.adapters.dspy_adapter",
     "StrictJSONAdapter": "ead_llm.adapters.dspy_adapter",
     "Constraint": "ead_llm.core.grammar",
+    "JsonBounds": "ead_llm.core.grammar",
     "EntropyAdaptiveLLM": "ead_llm.adapters.langchain_llm",
     "Cost": "ead_llm.accounting.ledger",
     "Pricing": "ead_llm.accounting.ledger",
@@ -60,6 +61,7 @@ __all__ = [
     "EntropyAdaptiveLLM",
     "FinishReason",
     "FixedBlockSwitching",
+    "JsonBounds",
     "LargeOnly",
     "LoadConfig",
     "ModelPair",
@@ -100,7 +102,7 @@ if TYPE_CHECKING:
     from ead_llm.adapters.langchain_chat import ChatEntropyAdaptive
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
     from ead_llm.core.engine import Engine
-    from ead_llm.core.grammar import Constraint
+    from ead_llm.core.grammar import Constraint, JsonBounds
     from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
     from ead_llm.core.request import Completion, Request, SamplingParams
     from ead_llm.core.types import FinishReason, Role, TokenEvent

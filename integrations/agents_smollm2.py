@@ -77,8 +77,9 @@ def forced_calls(model: Any) -> dict[str, Any]:
         for choice in ("required", "any", "multiply")
     }
     out["cut"] = model.bind_tools([multiply], tool_choice="multiply").invoke("What is 1 times 2?", max_tokens=6)
-    out["structured_cut"] = model.with_structured_output(Person, method="function_calling", include_raw=True).invoke(
-        PROMPT, max_tokens=6
+    short = model.bind(max_tokens=6)
+    out["structured_cut"] = short.with_structured_output(Person, method="function_calling", include_raw=True).invoke(
+        PROMPT
     )
     return out
 

@@ -199,7 +199,8 @@ class PairEngine:
         stop = list(request.config.stop) or None
         candidate, rollout = _next_candidate()
         options = _options(request)
-        if "grammar" not in options and owner.enforce_adapter_format and owner.model_type == "chat":
+        enforce = owner.enforce_adapter_format and owner.model_type == "chat" and not owner.ignore_eos
+        if "grammar" not in options and enforce:  # (ignore_eos: a benchmark run, past any format's end)
             budget = options.get("max_tokens", owner.max_tokens)
             constraint = chat_adapter_constraint(turns, owner.json_bounds, budget)
             if constraint is not None:

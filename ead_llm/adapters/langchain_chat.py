@@ -281,8 +281,12 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._call(messages, stop, kwargs)
-        (completion,), cost = self._run([call.request])
-        return call.result(completion, cost)
+        if call.watches:  # tools offered: read the calls as they come, and end the answer at a repeated one
+            for event, cost in self._stream_events(call.request, call.repeats):
+                call.take(event, cost)
+            return call.taken()
+        (completion,), total = self._run([call.request])
+        return call.result(completion, total)
 
     async def _agenerate(
         self,
@@ -293,8 +297,12 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
     ) -> ChatResult:
         """Awaits the engine itself: cancelling the task stops the decoding within one engine step."""
         call = self._call(messages, stop, kwargs)
-        (completion,), cost = await self._arun([call.request])
-        return call.result(completion, cost)
+        if call.watches:
+            async for event, cost in self._astream_events(call.request, call.repeats):
+                call.take(event, cost)
+            return call.taken()
+        (completion,), total = await self._arun([call.request])
+        return call.result(completion, total)
 
     def _stream(
         self,
@@ -304,7 +312,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._call(messages, stop, kwargs)
-        for event, cost in self._stream_events(call.request):
+        for event, cost in self._stream_events(call.request, call.repeats if call.watches else None):
             chunk = call.chunk(event, cost)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
@@ -318,7 +326,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = self._call(messages, stop, kwargs)
-        async for event, cost in self._astream_events(call.request):
+        async for event, cost in self._astream_events(call.request, call.repeats if call.watches else None):
             chunk = call.chunk(event, cost)
             if run_manager is not None:
                 await run_manager.on_llm_new_token(event.text, chunk=chunk)
@@ -419,7 +427,24 @@ class _ChatCall:
     def __init__(self, model: ChatEntropyAdaptive, request: Request, plan: ToolPlan, prefix: str) -> None:
         self.model, self.request, self.plan, self.prefix = model, request, plan, prefix
         self._reader: CallReader | None = plan.reader()
+        self._watcher = plan.reader()
         self._made = 0
+        self._text: list[str] = []
+        self._models: list[str] = []
+        self._end: tuple[str, Cost] | None = None
+
+    @property
+    def watches(self) -> bool:
+        """Whether the answer is read for calls as it comes (tools offered, and a policy that can stream)."""
+        return self._watcher is not None and not self.request.policy.votes
+
+    def repeats(self, event: TokenEvent) -> bool:
+        """Whether ``event`` completes a call the answer already made, or one more than ``parallel_tool_calls``
+        allows (a weak model repeating itself): the answer ends there instead of at ``max_tokens``."""
+        if self._watcher is None:
+            return False
+        self._watcher.push(event.text)
+        return self._watcher.dropped > 0
 
     def _metadata(self, cost: Cost, finish: str, models: str) -> dict[str, Any]:
         """What an invoked message and a stream's last chunk both carry."""
@@ -433,21 +458,39 @@ class _ChatCall:
             "models": models,
         }
 
+    def take(self, event: TokenEvent, cost: Cost | None) -> None:
+        """Keep one event of an answer read as it comes (the last brings the bill)."""
+        self._text.append(event.text)
+        self._models.append(event.role.letter)
+        if event.finish_reason is not None and cost is not None:
+            self._end = (event.finish_reason.value, cost)
+
+    def taken(self) -> ChatResult:
+        """The result of the answer whose events were taken."""
+        if self._end is None:
+            raise RuntimeError("the answer ended without its last event")
+        return self.message("".join(self._text), self._end[0], "".join(self._models), self._end[1])
+
     def result(self, completion: Completion, cost: Cost) -> ChatResult:
+        return self.message(
+            completion.text, completion.finish_reason.value, "".join(r.letter for r in completion.roles), cost
+        )
+
+    def message(self, text: str, engine_finish: str, models: str, cost: Cost) -> ChatResult:
+        """The chat result of an answer: its text, why it ended, which model wrote each token, its bill."""
         model = self.model
-        engine_finish = completion.finish_reason.value
-        content, calls, invalid = completion.text, list[ToolCall](), list[InvalidCall]()
+        content, calls, invalid = text, list[ToolCall](), list[InvalidCall]()
         if self.plan.mode != "none":
             content, calls, invalid = read_answer(
                 model.shared_engine.tokenizer,
-                completion.text,
+                text,
                 engine_finish,
                 prefix=self.prefix,
                 tools=self.plan.tools,
                 parallel=self.plan.parallel,
             )
         finish = finish_reason(engine_finish, len(calls))
-        metadata = self._metadata(cost, finish, "".join(r.letter for r in completion.roles))
+        metadata = self._metadata(cost, finish, models)
         message = AIMessage(
             content=content,
             tool_calls=[_lc_call(c) for c in calls],

@@ -13,8 +13,9 @@ How the two frameworks' overlapping names are resolved:
   those settings, its own history, the same engine. Pydantic's deprecated ``copy`` is replaced;
   ``model_copy`` is still pydantic's.
 - ``engine``: DSPy's meaning (its engine object); the decoding engine is ``shared_engine``.
-- ``model``: DSPy's name of this LM, ``ead-llm/<pair>@<policy>``; it is part of DSPy's cache key,
-  so two policies never share cached answers.
+- ``model``: DSPy's name of this LM (its usage key), ``ead-llm/<large model's name>``; the pair and the
+  policy ride in each request's ``metadata``, which is part of DSPy's cache key, so two policies never
+  share cached answers.
 - ``copy.deepcopy`` (DSPy's ``Module.deepcopy``, LangChain chains) makes a ``copy()``: the weights
   are never cloned. Equality and hashing are by identity.
 """
@@ -28,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, ClassVar, Literal
 
 import dspy
@@ -111,7 +113,8 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
 
     enforce_adapter_format: bool = True
     """DSPy: decode an answer to DSPy's ``ChatAdapter`` under a grammar of the format it asked for (its field
-    markers in order, typed values, free text bounded), so it always parses; chat-format pairs only."""
+    markers in order, typed values, free text bounded), so it always parses; chat-format pairs only, and not
+    with ``ignore_eos`` (which writes past any format's end)."""
 
     # DSPy's LM state (what dspy.LM.__init__ would set), declared so pydantic accepts it.
     _history: list[dict[str, Any]] = PrivateAttr(default_factory=list)
@@ -437,7 +440,12 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
         if options:
             return self._bound(options).generate(prompts, stop, callbacks, **kwargs)
-        return super().generate(prompts, stop, callbacks, **kwargs)
+        fresh: set[int] = set()
+        token = _FRESH.set(fresh)
+        try:
+            return _cache_hits_zeroed(super().generate(prompts, stop, callbacks, **kwargs), fresh)
+        finally:
+            _FRESH.reset(token)
 
     async def agenerate(  # type: ignore[override]
         self, prompts: list[str], stop: list[str] | None = None, callbacks: Callbacks = None, **kwargs: Any
@@ -446,7 +454,12 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         options = {k: kwargs.pop(k) for k in CALL_OPTIONS if k in kwargs}
         if options:
             return await self._bound(options).agenerate(prompts, stop, callbacks, **kwargs)
-        return await super().agenerate(prompts, stop, callbacks, **kwargs)
+        fresh: set[int] = set()
+        token = _FRESH.set(fresh)
+        try:
+            return _cache_hits_zeroed(await super().agenerate(prompts, stop, callbacks, **kwargs), fresh)
+        finally:
+            _FRESH.reset(token)
 
     def _generate(
         self,
@@ -471,8 +484,12 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         return self._result(requests, *await self._arun(requests))
 
     def _result(self, requests: list[Request], completions: list[Completion], total: Cost) -> LLMResult:
+        generations = [[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions]
+        fresh = _FRESH.get()
+        if fresh is not None:
+            fresh.update(id(g) for row in generations for g in row)
         return PairResult(
-            generations=[[Generation(text=c.text, generation_info=_generation_info(c))] for c in completions],
+            generations=generations,
             llm_output={
                 "token_usage": {
                     "prompt_tokens": total.prompt_tokens,
@@ -536,6 +553,22 @@ class PairResult(LLMResult):
             info = generations[0].generation_info or {} if generations else {}
             out.append(LLMResult(generations=[generations], llm_output={**(self.llm_output or {}), **_bill(info)}))
         return out
+
+
+_FRESH: ContextVar[set[int] | None] = ContextVar("ead_llm_fresh_generations", default=None)
+"""Ids of the generations the engine made during the ``generate`` call in progress (the rest came from a cache)."""
+
+
+def _cache_hits_zeroed(result: LLMResult, fresh: set[int]) -> LLMResult:
+    """``result`` with each generation LangChain's cache returned given a zero bill marked ``cache_hit`` (a copy:
+    the cached object is left as stored), so that summing ``generation_info["cost"]`` never counts it twice."""
+    for row in result.generations:
+        for i, generation in enumerate(row):
+            info = generation.generation_info or {}
+            if id(generation) in fresh or not isinstance(info.get("cost"), dict):
+                continue
+            row[i] = Generation(text=generation.text, generation_info={**info, "cost": cache_hit_bill(info["cost"])})
+    return result
 
 
 def _bill(info: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,7 +27,7 @@ from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, schema_
 from ead_llm.core.loading import LoadConfig
 from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
-from ead_llm.core.types import TokenEvent
+from ead_llm.core.types import FinishReason, TokenEvent
 from ead_llm.core.validation import check_float, check_int, check_stop
 from ead_llm.embedded import embedded_pair, recommended_threshold
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description
@@ -378,11 +378,12 @@ class PairModel(BaseModel):
         report(cost)
         return event, cost
 
-    def _stream_events(self, request: Request) -> Iterator[tuple[TokenEvent, Cost | None]]:
+    def _stream_events(self, request: Request, until: Until | None = None) -> Iterator[tuple[TokenEvent, Cost | None]]:
         """One request's events; the last comes with the completion's cost.
 
         The request is checked and queued here, before this returns: a bad one raises now, not when
-        the events are first read (a server can still answer it with an error status).
+        the events are first read (a server can still answer it with an error status). ``until(event)``
+        true ends the completion at that event (``stop``): the engine frees the sequence within one step.
         """
         ledger = self._ledger(request)
         start = time.perf_counter()
@@ -391,13 +392,18 @@ class PairModel(BaseModel):
         def events() -> Iterator[tuple[TokenEvent, Cost | None]]:
             try:
                 for event in stream:
-                    yield self._billed(event, ledger, start)
+                    ended = _ended(event, until)
+                    yield self._billed(ended, ledger, start)
+                    if ended is not event:
+                        return
             finally:
                 stream.close()
 
         return events()
 
-    async def _aopen_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+    async def _aopen_events(
+        self, request: Request, until: Until | None = None
+    ) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
         """:meth:`_stream_events` for async callers: the request is checked and queued (off the event loop) when
         this returns, so a bad one raises before any event; the events come with no thread per token, and a
         consumer that stops or is cancelled frees the engine within one step."""
@@ -408,17 +414,33 @@ class PairModel(BaseModel):
         async def events() -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
             try:
                 async for event in stream:
-                    yield self._billed(event, ledger, start)
+                    ended = _ended(event, until)
+                    yield self._billed(ended, ledger, start)
+                    if ended is not event:
+                        return
             finally:
                 stream.close()
 
         return events()
 
-    async def _astream_events(self, request: Request) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
+    async def _astream_events(
+        self, request: Request, until: Until | None = None
+    ) -> AsyncIterator[tuple[TokenEvent, Cost | None]]:
         """The events of :meth:`_aopen_events`, as one async iterator (a bad request raises at the first item)."""
-        events = await self._aopen_events(request)
+        events = await self._aopen_events(request, until)
         try:
             async for item in events:
                 yield item
         finally:
             await events.aclose()  # type: ignore[attr-defined]
+
+
+Until = Callable[[TokenEvent], bool]
+"""Whether a completion should end at this event (a caller's own stop condition)."""
+
+
+def _ended(event: TokenEvent, until: Until | None) -> TokenEvent:
+    """``event``, made the last (``stop``) where ``until`` says the completion ends there."""
+    if until is None or event.finish_reason is not None or not until(event):
+        return event
+    return dataclasses.replace(event, finish_reason=FinishReason.STOP)

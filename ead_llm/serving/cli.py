@@ -202,12 +202,9 @@ def serve_pricing(args: argparse.Namespace) -> Pricing | None:
     return None if all(p is None for p in prices) else Pricing(*(p or 0.0 for p in prices))
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+def serve_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``EntropyAdaptiveLLM``'s arguments for ``serve`` (what is not given keeps the LLM's default)."""
     from ead_llm.policies.base import describe_policy
-    from ead_llm.serving.server import create_app
 
     policy = serve_policy(args)
     config: dict[str, Any] = {
@@ -223,6 +220,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "pricing": serve_pricing(args),
     }
     config = {k: v for k, v in config.items() if v is not None}  # the rest: EntropyAdaptiveLLM's defaults
+    if args.no_json_bounds:
+        config["json_bounds"] = None
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.serving.server import create_app
+
+    config = serve_config(args)
     limits = serve_limits(args)
     ray_options = (args.num_cpus, args.num_gpus, args.min_replicas, args.max_replicas)
     if args.replicas > 1 or any(v is not None for v in ray_options):
@@ -441,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         metavar="ORIGIN",
         help="origins a browser may call from (CORS), such as https://app.example.com or * (default: none)",
+    )
+    serve.add_argument(
+        "--no-json-bounds",
+        action="store_true",
+        help="lift the default length bounds of JSON under a schema (strings 256 chars, integers 15 digits, "
+        "6 decimals, 64 items) where the schema sets none",
     )
     serve.add_argument("--log-level", default="info")
     serve.add_argument(

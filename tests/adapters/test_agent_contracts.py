@@ -16,7 +16,7 @@ import pytest
 from dspy.adapters import ChatAdapter
 from langchain_core.caches import InMemoryCache
 from langchain_core.exceptions import OutputParserException
-from langchain_core.messages import AIMessage
+from langchain_core.messages import AIMessage, HumanMessage
 from pydantic import BaseModel, Field
 
 from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly, track_cost
@@ -61,6 +61,15 @@ def test_a_repeated_call_counts_once_and_leaves_no_markup(chat: ChatEntropyAdapt
         assert "<tool_call>" not in message.content and "</tool_call>" not in message.content
     content, calls, _ = CallReader().push(f"{block}\n{block}\n{block}", "stop")
     assert len(calls) == 1 and "<tool_call>" not in content
+
+
+def test_a_completion_ends_where_its_caller_says(chat: ChatEntropyAdaptive) -> None:
+    plan = chat._tools({})
+    (request,) = chat._requests([chat._prompt([HumanMessage("hi")], plan)], None, {"max_tokens": 40})
+    seen: list[str] = []
+    events = list(chat._stream_events(request, lambda e: seen.append(e.text) or len(seen) == 3))
+    assert len(events) == 3 and events[-1][0].finish_reason is not None and events[-1][1] is not None
+    assert events[-1][1].completion_tokens == 3  # the bill covers what was delivered
 
 
 def test_parallel_tool_calls_false_means_at_most_one_call_under_auto_too(chat: ChatEntropyAdaptive) -> None:
@@ -195,6 +204,19 @@ def test_a_langchain_cache_hit_is_billed_once_however_it_is_read() -> None:
     assert sum(b["flops"] for b in bills) == tracker.flops
     usage = [m.usage_metadata for m in (first, second)]
     assert sum(u["output_tokens"] for u in usage if u) == tracker.completion_tokens
+
+
+def test_a_langchain_cache_hit_of_the_text_llm_is_billed_once() -> None:
+    small, large = pair()
+    llm = EntropyAdaptiveLLM(small=small, large=large, max_tokens=6, cache=InMemoryCache())
+    with track_cost() as tracker:
+        first = llm.generate(["hi", "yo"])
+        second = llm.generate(["hi", "new"])  # one hit, one fresh prompt
+    bills = [g[0].generation_info["cost"] for result in (first, second) for g in result.generations]
+    assert [b.get("cache_hit", False) for b in bills] == [False, False, True, False]
+    assert sum(b["completion_tokens"] for b in bills) == tracker.completion_tokens and tracker.calls == 2
+    assert second.generations[0][0].text == first.generations[0][0].text
+    assert llm.generate(["hi"]).generations[0][0].generation_info["cost"]["cache_hit"]  # the stored copy unchanged
 
 
 def test_a_dspy_cache_hit_is_billed_once_however_it_is_read(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from ead_llm import EAD
 from ead_llm.embedded import recommended_threshold
-from ead_llm.serving.cli import build_parser, main, serve_policy
+from ead_llm.serving.cli import build_parser, main, serve_config, serve_policy
 
 
 def test_help_lists_commands() -> None:
@@ -117,6 +117,15 @@ def test_serve_keeps_ead_options_given_without_a_threshold() -> None:
     assert policy("--threshold", "0.3") == EAD(threshold=0.3)
     folder = policy("--small", "s", "--large", "l", "--lookahead")
     assert folder == EAD(threshold=EAD().threshold, lookahead=True)  # another pair: EAD's own default
+
+
+def test_serve_can_lift_the_json_bounds() -> None:
+    from ead_llm import EntropyAdaptiveLLM, JsonBounds
+
+    assert "json_bounds" not in serve_config(build_parser().parse_args(["serve"]))  # the LLM's default bounds
+    lifted = serve_config(build_parser().parse_args(["serve", "--no-json-bounds"]))
+    assert lifted["json_bounds"] is None and EntropyAdaptiveLLM(**lifted).json_bounds is None
+    assert EntropyAdaptiveLLM().json_bounds == JsonBounds()
 
 
 def test_parsing_and_help_import_neither_torch_nor_the_frameworks() -> None:
