@@ -47,6 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+from ead_llm.adapters.pair_model import Until
 from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.tool_calls import CallReader, ToolCall, ToolPlan, finish_reason, plan_tools, read_answer
 from ead_llm.core.grammar import Constraint, JsonBounds
@@ -335,6 +336,8 @@ class Job:
     respond: Callable[[list[Completion], Cost], dict[str, Any]]
     stream: Callable[[AsyncIterator[tuple[TokenEvent, Cost | None]]], AsyncIterator[str]] | None = None
     """For ``stream: true``: server-sent events from the one request's events."""
+    until: Until | None = None
+    """Where the one request's answer ends early (a repeated tool call); None: at EOS, a stop or max_tokens."""
 
 
 class Server:
@@ -518,7 +521,15 @@ class Server:
             def stream(events: AsyncIterator[tuple[TokenEvent, Cost | None]]) -> AsyncIterator[str]:
                 return self._chunks("chat.completion.chunk", events, body, plan)
 
-        return Job(requests, respond, stream)
+        watcher = plan.reader()
+        until = None
+        if watcher is not None and len(requests) == 1 and not requests[0].policy.votes:
+
+            def until(event: TokenEvent) -> bool:  # the answer ends at a repeated call, not at max_tokens
+                watcher.push(event.text)
+                return watcher.dropped > 0
+
+        return Job(requests, respond, stream, until)
 
     def _envelope(
         self, kind: str, choices: list[dict[str, Any]], cost: Cost | None, completion_id: str | None = None
@@ -588,6 +599,30 @@ class Server:
             if close is not None:
                 await close()
         yield "data: [DONE]\n\n"
+
+
+async def _read(llm: EntropyAdaptiveLLM, request: EngineRequest, until: Until) -> tuple[list[Completion], Cost]:
+    """One request run to its end or to where ``until`` ends it, as the completion ``_arun`` would give."""
+    events = await llm._aopen_events(request, until)
+    taken: list[tuple[TokenEvent, Cost | None]] = []
+    try:
+        async for item in events:
+            taken.append(item)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    last, cost = taken[-1]
+    if cost is None or last.finish_reason is None:
+        raise RuntimeError("the answer ended without its last event")
+    completion = Completion(
+        index=0,
+        text="".join(e.text for e, _ in taken),
+        token_ids=tuple(e.token_id for e, _ in taken),
+        roles=tuple(e.role for e, _ in taken),
+        entropies=tuple(e.entropy for e, _ in taken),
+        finish_reason=last.finish_reason,
+        cost=cost,
+    )
+    return [completion], cost
 
 
 def _no_call(reason: str | None) -> str:
@@ -672,9 +707,10 @@ def create_app(
     async def answer(request: Request, prepare: Callable[[Any], Job], body: _Body) -> Any:
         job = await asyncio.to_thread(prepare, body)  # tokenizers and grammars off the event loop
         if job.stream is not None:
-            events = await server.llm._aopen_events(job.requests[0])  # queued: a bad request is a 400 here
+            events = await server.llm._aopen_events(job.requests[0], job.until)  # queued: a bad one is a 400 here
             return StreamingResponse(job.stream(events), media_type="text/event-stream")
-        finished, result = await _unless_disconnected(request, server.llm._arun(job.requests))
+        work = server.llm._arun(job.requests) if job.until is None else _read(server.llm, job.requests[0], job.until)
+        finished, result = await _unless_disconnected(request, work)
         if not finished:
             return Response(status_code=499)  # nobody reads it: the client has gone
         return job.respond(*result)

@@ -54,3 +54,30 @@ def test_dspy_programs_parse_with_the_default_adapter(real_paths: object, policy
     for entry in out["history"]:  # every answer in ChatAdapter's format: no fallback to JSON was needed
         assert entry["outputs"][0].startswith("[[ ## "), entry["outputs"][0][:80]
         assert entry["response"].finish_reason == "stop"
+
+
+def test_the_server_ends_a_forced_answer_at_its_repeated_call(real_paths: object) -> None:
+    import openai
+
+    from ead_llm import EntropyAdaptiveLLM, LargeOnly
+    from ead_llm.serving.server import create_app
+    from tests.serving.conftest import serve
+
+    draft, full = real_paths  # type: ignore[misc]
+    llm = EntropyAdaptiveLLM(small=str(draft), large=str(full), policy=LargeOnly(), max_tokens=128)
+    parameters = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    spec = {"type": "function", "function": {"name": "multiply", "parameters": {**parameters, "required": ["a", "b"]}}}
+    for url in serve(create_app(llm, "m")):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for stream in (False, True):
+            asked = {"model": "m", "messages": [{"role": "user", "content": "What is 1 times 2?"}], "tools": [spec]}
+            if not stream:
+                reply = client.chat.completions.create(**asked, tool_choice="required")  # type: ignore[call-overload]
+                calls, finish = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+                assert reply.usage is not None and reply.usage.completion_tokens < 100
+            else:
+                chunks = list(client.chat.completions.create(**asked, tool_choice="required", stream=True))  # type: ignore[call-overload]
+                calls = [c for chunk in chunks if chunk.choices for c in chunk.choices[0].delta.tool_calls or []]
+                finish = next(chunk.choices[0].finish_reason for chunk in chunks[::-1] if chunk.choices)
+            assert calls and len({(c.function.name, c.function.arguments) for c in calls}) == len(calls)
+            assert finish == "tool_calls"
