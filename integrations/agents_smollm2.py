@@ -54,19 +54,26 @@ def chat(max_tokens: int = 128) -> ChatEntropyAdaptive:
     )
 
 
-def structured_agents(model: Any) -> dict[str, Any]:
-    """``create_agent(model, tools, response_format=...)`` with each strategy, and LangGraph's
-    ``create_react_agent``: the structured response of each (the run stops at ``RECURSION_LIMIT``)."""
+RECIPES = ("auto", "tool", "provider", "react")
+"""``create_agent`` with ``response_format=Person``, ``ToolStrategy(Person)``, ``ProviderStrategy(Person)``; and
+LangGraph's ``create_react_agent(..., response_format=Person)``."""
+
+
+def structured_agents(model: Any, only: str | None = None) -> dict[str, Any]:
+    """Each recipe of :data:`RECIPES` (or ``only`` that one): the structured response of each, and each run's
+    state under ``"_runs"`` (a run stops at ``RECURSION_LIMIT`` and raises)."""
     from langgraph.prebuilt import create_react_agent
 
+    strategies = {"auto": Person, "tool": ToolStrategy(Person), "provider": ProviderStrategy(Person)}
     out: dict[str, Any] = {}
-    for name, strategy in (("auto", Person), ("tool", ToolStrategy(Person)), ("provider", ProviderStrategy(Person))):
-        agent = create_agent(model, [multiply], response_format=strategy)
+    for name in RECIPES if only is None else (only,):
+        if name == "react":
+            with warnings.catch_warnings():  # LangGraph's own deprecation of the recipe, which users still run
+                warnings.simplefilter("ignore")
+                agent = create_react_agent(model, [multiply], response_format=Person)
+        else:
+            agent = create_agent(model, [multiply], response_format=strategies[name])
         out[name] = agent.invoke({"messages": [("user", PROMPT)]}, {"recursion_limit": RECURSION_LIMIT})
-    with warnings.catch_warnings():  # LangGraph's own deprecation of the recipe, which users still run
-        warnings.simplefilter("ignore")
-        react = create_react_agent(model, [multiply], response_format=Person)
-    out["react"] = react.invoke({"messages": [("user", PROMPT)]}, {"recursion_limit": RECURSION_LIMIT})
     return {name: result["structured_response"] for name, result in out.items()} | {"_runs": out}
 
 
