@@ -18,7 +18,7 @@ from langchain.agents.structured_output import ProviderStrategy, ToolStrategy
 from langchain_core.tools import tool
 from pydantic import BaseModel, Field
 
-from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
+from ead_llm import EAD, ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
 from ead_llm.policies.base import Policy
 from ead_llm.testing import smollm2
 
@@ -27,6 +27,8 @@ RECURSION_LIMIT = 6
 """Steps an agent may take: enough for a call, its result and the answer; a loop hits it and raises."""
 POLICIES: dict[str, Policy] = {"large_only": LargeOnly(), "speculative": SpeculativeDecoding()}
 """LargeOnly, and a policy whose tokens the small model drafts (lossless, so the same answers)."""
+ANY_WRITER: dict[str, Policy] = {**POLICIES, "ead": EAD(threshold=0.5)}
+"""With EAD the untrained draft writes most tokens: a format enforced by the grammar must hold all the same."""
 
 
 class Person(BaseModel):

@@ -21,6 +21,7 @@ literals and JSON values as their notes say. The answer always parses, whichever
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -83,8 +84,10 @@ def chat_adapter_constraint(
     turns: Sequence[tuple[str, str]], bounds: JsonBounds | None = DEFAULT_BOUNDS, max_tokens: int = 256
 ) -> Constraint | None:
     """The grammar of the answer DSPy's ``ChatAdapter`` asked for in ``turns`` (``(role, text)``), or None when
-    the turns are not in its format. The free-text fields share one character per token of ``max_tokens``
-    (less the markers), so that a rambling model still reaches ``[[ ## completed ## ]]``."""
+    the turns are not in its format. The free-text and JSON fields share ``max_tokens`` (less the markers) at
+    about one character per token: free text holds a share, a JSON value about as much (its strings, keys,
+    entries and items bounded more tightly than ``bounds``), so that a rambling model still reaches
+    ``[[ ## completed ## ]]``."""
     users = [text for role, text in turns if role == "user"]
     request = _REQUEST.search(users[-1]) if users else None
     if request is None:
@@ -94,8 +97,18 @@ def chat_adapter_constraint(
         return None
     system = next((text for role, text in turns if role == "system"), "")
     notes = _notes(system)
-    free = sum(_value_rule(notes.get(name), bounds) is None for name in names) or 1
-    max_text = max(16, (max_tokens - 16 * len(names)) // free)
+    free = sum(_value_rule(notes.get(name), bounds) is None for name in names)
+    json_fields = sum("must adhere to the JSON schema" in notes.get(name, "") for name in names)
+    share = max(16, (max_tokens - 16 * len(names)) // max(1, free + json_fields))
+    max_text = share
+    if bounds is not None:  # a JSON field (ReAct's tool arguments) takes about one share too
+        bounds = dataclasses.replace(
+            bounds,
+            max_string_length=min(bounds.max_string_length, max(8, share // 8)),
+            max_key_length=min(bounds.max_key_length, 32),
+            max_properties=min(bounds.max_properties, 4),
+            max_items=min(bounds.max_items, 8),
+        )
     lines = ["start: " + " ".join(f"f{i}" for i in range(len(names)))]
     for i, name in enumerate(names):
         end = "\n\n" + _marker(names[i + 1] if i + 1 < len(names) else "completed")

@@ -94,9 +94,11 @@ def closed(schema: Any) -> Any:
 class JsonBounds:
     """Length bounds added to a JSON schema where it sets none, so that a weak model ends a structured answer
     instead of writing one number, string or list until ``max_tokens`` (``11.1111...``). A schema's own
-    ``maxLength``/``minimum``/``maximum``/``multipleOf``/``maxItems`` always win; pass ``json_bounds=None``
-    (or ``Constraint.json_schema(..., bounds=None)``) to lift them all. Whitespace between JSON tokens is
-    never allowed (compact JSON), so it cannot run on either."""
+    ``maxLength``/``minimum``/``maximum``/``multipleOf``/``maxItems``/``maxProperties`` always win; pass
+    ``json_bounds=None`` (or ``Constraint.json_schema(..., bounds=None)``) to lift them all. A map (an object
+    that lists no properties, such as ``dict[str, Any]``) gets bounded keys and a bounded number of entries,
+    and a value the schema leaves open (``Any``, ``{}``) is any JSON within these same bounds. Whitespace
+    between JSON tokens is never allowed (compact JSON), so it cannot run on either."""
 
     max_string_length: int = 256
     """Most characters of a string without ``maxLength``."""
@@ -106,29 +108,57 @@ class JsonBounds:
     """Numbers without ``multipleOf`` take at most this many digits after the point (and the integer bound)."""
     max_items: int = 64
     """Most items of an array without ``maxItems``."""
+    max_properties: int = 32
+    """Most entries of a map (an object listing no properties) without ``maxProperties``."""
+    max_key_length: int = 64
+    """Most characters of a map's key."""
 
     def __post_init__(self) -> None:
-        for name in ("max_string_length", "max_integer_digits", "max_fraction_digits", "max_items"):
+        for name in (
+            "max_string_length",
+            "max_integer_digits",
+            "max_fraction_digits",
+            "max_items",
+            "max_properties",
+            "max_key_length",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"JsonBounds.{name} must be a positive integer, got {value!r}")
 
     def apply(self, schema: Any) -> Any:
         """``schema`` with these bounds where it has none (recursively through every sub-schema)."""
+        if schema is True or schema == {}:
+            schema = {"$ref": _ANY_REF}
+        out = self._bounded(schema)
+        if isinstance(out, dict) and _ANY_REF in json.dumps(out):  # open values: any JSON within the bounds
+            out = {**out, "$defs": {**out.get("$defs", {}), _ANY: self._any()}}
+        return out
+
+    def _any(self) -> dict[str, Any]:
+        """Any JSON value within these bounds (recursive through ``$ref``)."""
+        options = [{"type": kind} for kind in ("string", "integer", "number", "boolean", "null", "array", "object")]
+        return {"anyOf": [self._bounded(option) for option in options]}
+
+    def _open(self, value: Any) -> Any:
+        """A sub-schema that allows any value, as the bounded any; anything else bounded."""
+        return {"$ref": _ANY_REF} if value is True or value == {} else self._bounded(value)
+
+    def _bounded(self, schema: Any) -> Any:
         if not isinstance(schema, dict):
             return schema
         out = dict(schema)
         for key in _SCHEMA_MAPS:
             if isinstance(out.get(key), dict):
-                out[key] = {name: self.apply(sub) for name, sub in out[key].items()}
+                out[key] = {name: self._open(sub) for name, sub in out[key].items()}
         for key in _SCHEMA_ONE:
             if isinstance(out.get(key), dict):
-                out[key] = self.apply(out[key])
+                out[key] = self._open(out[key])
             elif isinstance(out.get(key), list):
-                out[key] = [self.apply(sub) for sub in out[key]]
+                out[key] = [self._open(sub) for sub in out[key]]
         for key in _SCHEMA_LISTS:
             if isinstance(out.get(key), list):
-                out[key] = [self.apply(sub) for sub in out[key]]
+                out[key] = [self._open(sub) for sub in out[key]]
         if "enum" in out or "const" in out:
             return out
         given = out.get("type")
@@ -145,9 +175,19 @@ class JsonBounds:
                 out["multipleOf"] = 10.0**-self.max_fraction_digits
         if "array" in kinds and "maxItems" not in out:
             out["maxItems"] = max(self.max_items, out.get("minItems", 0))
+        if "array" in kinds and "items" not in out and "prefixItems" not in out:
+            out["items"] = {"$ref": _ANY_REF}
+        if "object" in kinds and not {"properties", "patternProperties"} & set(out):
+            values = out.get("additionalProperties", True)
+            if values is not False:  # a map: keys and entries bounded, values as the schema says
+                out["patternProperties"] = {f"^.{{0,{self.max_key_length}}}$": self._open(values)}
+                out["additionalProperties"] = False
+                out.setdefault("maxProperties", max(self.max_properties, out.get("minProperties", 0)))
         return out
 
 
+_ANY = "ead_llm_any"
+_ANY_REF = f"#/$defs/{_ANY}"
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

@@ -171,6 +171,19 @@ def test_schema_grammars_bound_numbers_strings_and_lists_unless_lifted() -> None
         JsonBounds(max_items=0)
 
 
+def test_maps_and_open_values_are_bounded_too() -> None:
+    open_map = Constraint.json_schema({"type": "object", "additionalProperties": True})  # dict[str, Any]
+    anything = Constraint.json_schema({})
+    nested = '{"a":[1,{"b":"x"}],"c":null,"d":1.5}'
+    assert _accepts(open_map, nested) and _accepts(anything, nested) and _accepts(anything, '[true,"s"]')
+    assert not _accepts(open_map, '{"' + "k" * 65 + '":1}')  # a key: 64 characters at most
+    assert not _accepts(open_map, '{"a":"' + "v" * 257 + '"}')  # an open value: within the same bounds
+    many = "{" + ",".join(f'"k{i}":{i}' for i in range(33)) + "}"
+    assert not _accepts(open_map, many) and _accepts(Constraint.json_schema({"type": "object"}, bounds=None), many)
+    ints = Constraint.json_schema({"type": "object", "additionalProperties": {"type": "integer"}})
+    assert _accepts(ints, '{"a":1}') and not _accepts(ints, '{"a":"x"}')
+
+
 def test_a_weak_model_ends_a_structured_answer_under_the_bounds() -> None:
     small, large = pair()
     tight = ChatEntropyAdaptive(small=small, large=large, max_tokens=200, json_bounds=JsonBounds(max_string_length=8))
