@@ -12,11 +12,19 @@ when a sequence writes into a block that someone else also holds (copy on write)
 
 The scheduler asks for blocks (``reserve``) before a pass; the model runner writes the pass's new
 keys and values (``write``) and reads each row's history (``gather``) inside the attention.
+
+Prefix caching (the bookkeeping; the engine does not call it yet): a full block whose tokens are final
+is registered (``commit``) under the hash chain of the tokens up to its end, so that another sequence
+starting with the same tokens shares it (``match``) instead of computing it again. A registered block that
+nobody holds stays cached (idle, least recently used first) until a block is needed and none is free; a
+registered block is never written again (a sequence that would write into it gets a private copy).
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,42 +51,85 @@ class OutOfBlocks(RuntimeError):
     """The pool has no free block left within its budget."""
 
 
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
+    """The hash chain of ``tokens``' full blocks: block ``i``'s hash covers every token up to its end, so two
+    sequences share block ``i`` only when their first ``(i + 1) * block_size`` tokens agree."""
+    out = []
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        out.append(parent)
+    return out
+
+
 class BlockPool:
-    """Which blocks are free and how many sequences hold each one (pure bookkeeping, no tensors)."""
+    """Which blocks are free, how many sequences hold each one, and which full blocks are cached by the hash of
+    their token chain (pure bookkeeping, no tensors)."""
 
     def __init__(self, max_blocks: int | None) -> None:
         self.max_blocks = max_blocks
         self.num_blocks = 0
         self.free: list[int] = []
         self.refs: list[int] = []
+        self.by_hash: dict[int, int] = {}
+        """Cached full blocks by the hash of their token chain."""
+        self.hash_of: dict[int, int] = {}
+        self.idle: OrderedDict[int, None] = OrderedDict()
+        """Cached blocks nobody holds, least recently used first: taken back only when no block is free."""
+        self.evictions = 0
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self.free)
+        """Blocks some sequence holds (idle cached blocks are not)."""
+        return self.num_blocks - len(self.free) - len(self.idle)
 
     def available(self) -> int | None:
         """Blocks that can still be handed out (None: no limit)."""
         if self.max_blocks is None:
             return None
-        return len(self.free) + self.max_blocks - self.num_blocks
+        return len(self.free) + len(self.idle) + self.max_blocks - self.num_blocks
 
     def allocate(self) -> int:
-        if not self.free:
-            self._grow()
-        block = self.free.pop()
+        """A block for one holder: a free one, else the least recently used idle cached one (forgotten), else
+        a new one."""
+        if not self.free and self.idle:
+            block, _ = self.idle.popitem(last=False)
+            self.forget(block)
+            self.evictions += 1
+        else:
+            if not self.free:
+                self._grow()
+            block = self.free.pop()
         self.refs[block] = 1
         return block
 
     def share(self, block: int) -> None:
+        if self.refs[block] == 0:  # an idle cached block comes back into use
+            del self.idle[block]
         self.refs[block] += 1
 
     def release(self, block: int) -> None:
         self.refs[block] -= 1
         if self.refs[block] == 0:
-            self.free.append(block)
+            if block in self.hash_of:
+                self.idle[block] = None
+            else:
+                self.free.append(block)
+
+    def register(self, block: int, chain_hash: int) -> None:
+        """Cache a held full block under its chain hash (a hash already cached keeps its block)."""
+        if chain_hash not in self.by_hash and block not in self.hash_of:
+            self.by_hash[chain_hash] = block
+            self.hash_of[block] = chain_hash
+
+    def forget(self, block: int) -> None:
+        """Drop a block from the cache (its contents are about to change)."""
+        chain_hash = self.hash_of.pop(block, None)
+        if chain_hash is not None:
+            del self.by_hash[chain_hash]
 
     def reset(self) -> None:
         self.num_blocks, self.free, self.refs = 0, [], []
+        self.by_hash, self.hash_of, self.idle = {}, {}, OrderedDict()
 
     def _grow(self) -> None:
         target = max(MIN_BLOCKS, 2 * self.num_blocks)
@@ -123,7 +174,9 @@ class KVCache:
         if length <= seq.length:
             return
         first = seq.length // self.block_size
-        if first < len(seq.blocks) and self.pool.refs[seq.blocks[first]] > 1:
+        if first < len(seq.blocks) and (
+            self.pool.refs[seq.blocks[first]] > 1 or seq.blocks[first] in self.pool.hash_of
+        ):
             private = self.pool.allocate()
             self._copy_block(seq.blocks[first], private)
             self.pool.release(seq.blocks[first])
@@ -132,6 +185,33 @@ class KVCache:
             seq.blocks.append(self.pool.allocate())
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
+    def _shared(self, block: int) -> bool:
+        """Whether writing into ``block`` would change what someone else reads (another holder, or the cache)."""
+        return self.pool.refs[block] > 1 or block in self.pool.hash_of
+
+    def match(self, seq: SequenceKV, tokens: Sequence[int]) -> int:
+        """Give an empty ``seq`` the cached blocks that hold ``tokens``' longest cached prefix of full blocks (all
+        but the last token at most, whose logits the next pass needs); returns the positions now held."""
+        if seq.blocks or seq.length:
+            raise ValueError("match a sequence before it holds anything")
+        for chain_hash in block_hashes(tokens[: max(0, len(tokens) - 1)], self.block_size):
+            block = self.pool.by_hash.get(chain_hash)
+            if block is None:
+                break
+            if block in self.pool.idle:
+                self.pool.idle.move_to_end(block)
+            self.pool.share(block)
+            seq.blocks.append(block)
+        seq.length = len(seq.blocks) * self.block_size
+        return seq.length
+
+    def commit(self, seq: SequenceKV, tokens: Sequence[int]) -> None:
+        """Cache ``seq``'s full blocks written so far, whose final tokens are ``tokens`` (a prefix of the
+        sequence's tokens, at least ``seq.length`` long: drafts a verification may still reject are not final)."""
+        final = min(seq.length, len(tokens))
+        for index, chain_hash in enumerate(block_hashes(tokens[:final], self.block_size)):
+            self.pool.register(seq.blocks[index], chain_hash)
+
     def fork(self, seq: SequenceKV) -> SequenceKV:
         """A sequence sharing ``seq``'s blocks and length (copied block by block only when written)."""
         for block in seq.blocks:
@@ -139,7 +219,8 @@ class KVCache:
         return SequenceKV(blocks=list(seq.blocks), length=seq.length)
 
     def truncate(self, seq: SequenceKV, length: int) -> None:
-        """Roll ``seq`` back to its first ``length`` positions, freeing the blocks past them."""
+        """Roll ``seq`` back to its first ``length`` positions, freeing the blocks past them (a cached block it
+        keeps in part is copied before it is written again)."""
         seq.length = min(seq.length, length)
         keep = self.blocks_for(seq.length)
         for block in seq.blocks[keep:]:
@@ -151,8 +232,9 @@ class KVCache:
         self.truncate(seq, 0)
 
     def trim(self) -> None:
-        """Release the storage when no sequence holds a block (memory follows the tokens held)."""
-        if self.pool.used == 0:
+        """Release the storage when no sequence holds a block and none is cached (memory follows the tokens
+        held)."""
+        if self.pool.used == 0 and not self.pool.idle:
             self.clear()
 
     def clear(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
+from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV, block_hashes
 
 
 def write_positions(cache: KVCache, seq: SequenceKV, values: list[float]) -> None:
@@ -98,3 +98,71 @@ def test_a_rollback_into_a_shared_block_copies_it_first() -> None:
     cache.truncate(child, 2)  # back inside the first, shared, block
     write_positions(cache, child, [9, 9])
     assert read_positions(cache, parent) == [1, 2, 3, 4, 5] and read_positions(cache, child) == [1, 2, 9, 9]
+
+
+# -- prefix caching (bookkeeping) ---------------------------------------------------------------------------------
+
+
+def test_a_block_hash_covers_every_token_before_it() -> None:
+    a, b = block_hashes(list(range(8)), 4), block_hashes([9, *range(1, 8)], 4)
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]  # the same second block after another first one
+    assert block_hashes(list(range(7)), 4) == a[:1]  # a partial block has no hash
+    assert block_hashes(list(range(8)), 4) == a  # the same tokens, the same chain
+
+
+def test_a_committed_prefix_is_shared_not_recomputed() -> None:
+    cache = KVCache(1, block_size=4)
+    tokens = list(range(10))
+    first = SequenceKV()
+    write_positions(cache, first, [float(t) for t in tokens])
+    cache.commit(first, tokens)
+    second = SequenceKV()
+    assert cache.match(second, [*tokens[:9], 99]) == 8  # two full blocks of the 9 shared tokens
+    assert second.blocks == first.blocks[:2] and cache.pool.refs[first.blocks[0]] == 2
+    write_positions(cache, second, [8.0, 99.0])  # only the positions past the shared blocks are computed
+    assert read_positions(cache, second) == [*map(float, range(9)), 99.0]
+    assert read_positions(cache, first) == [*map(float, range(10))]  # the first sequence's view is unchanged
+    assert cache.match(SequenceKV(), tokens[:8]) == 4  # the last token is always computed (its logits are needed)
+    with pytest.raises(ValueError, match="before it holds"):
+        cache.match(second, tokens)
+
+
+def test_cached_blocks_outlive_their_holders_until_blocks_run_out() -> None:
+    cache = KVCache(1, block_size=4, max_tokens=16)  # 4 blocks
+    tokens = list(range(9))
+    held = SequenceKV()
+    write_positions(cache, held, [float(t) for t in tokens])
+    cache.commit(held, tokens)
+    cache.free(held)
+    assert cache.pool.used == 0 and len(cache.pool.idle) == 2 and cache.pool.available() == 4
+    cache.trim()
+    assert cache.nbytes() > 0  # the cache keeps its storage while blocks are cached
+    again = SequenceKV()
+    assert cache.match(again, tokens) == 8 and len(cache.pool.idle) == 0
+    assert read_positions(cache, again) == [float(t) for t in range(8)]
+    cache.free(again)
+    other = SequenceKV()
+    write_positions(cache, other, [1.0] * 16)  # needs all 4 blocks: the 2 free ones, then the 2 cached (oldest first)
+    assert cache.pool.evictions == 2 and not cache.pool.by_hash and cache.match(SequenceKV(), tokens) == 0
+
+
+def test_a_cached_block_is_never_written_again() -> None:
+    cache = KVCache(1, block_size=4)
+    tokens = list(range(8))
+    seq = SequenceKV()
+    write_positions(cache, seq, [float(t) for t in tokens])
+    cache.commit(seq, tokens)
+    cached = seq.blocks[1]
+    cache.truncate(seq, 6)  # a rejected draft: roll back into the cached block...
+    write_positions(cache, seq, [-1.0, -2.0])  # ...and write other tokens there
+    assert seq.blocks[1] != cached and read_positions(cache, seq) == [0, 1, 2, 3, 4, 5, -1, -2]
+    reader = SequenceKV()
+    assert cache.match(reader, [*tokens, 50]) == 8 and read_positions(cache, reader) == [float(t) for t in tokens]
+
+
+def test_only_final_tokens_are_committed() -> None:
+    cache = KVCache(1, block_size=4)
+    seq = SequenceKV()
+    write_positions(cache, seq, [0.0] * 8)
+    cache.commit(seq, [0, 0, 0, 0, 0])  # drafts past the fifth token may still be rejected
+    assert len(cache.pool.by_hash) == 1
