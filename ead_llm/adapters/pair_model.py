@@ -141,6 +141,10 @@ class PairModel(BaseModel):
     requests beyond it wait, and the newest running ones give their blocks back if the others need
     them. A request that could not finish alone (prompt + max_tokens over the budget) is refused.
     None: the shared engine's current setting (unlimited by default)."""
+    prefix_caching: bool | None = None
+    """Reuse the KV blocks of prompts (and answers) the engine saw before: a call that starts like an earlier
+    one computes only the rest (the bill's ``large_cached_tokens``/``small_cached_tokens``). None: the shared
+    engine's current setting (on by default); False turns it off for the engine, and every object sharing it."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
     device: str | None = None
@@ -212,6 +216,8 @@ class PairModel(BaseModel):
         config = LoadConfig(small=small, large=large, **{name: getattr(self, name) for name in LOAD_FIELDS})
         self._engine = shared_engine(config)
         self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
+        if self.prefix_caching is not None:
+            self._engine.prefix_caching = self.prefix_caching
         if self.policy is None:
             self.policy = EAD()
 

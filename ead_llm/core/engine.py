@@ -342,6 +342,22 @@ class Engine:
                 call.failed[index] = exc
             self._cond.notify()
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests reuse the KV blocks of prompts and answers seen before (automatic prefix caching)."""
+        return self.scheduler.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {on!r}")
+        with self._cond:
+            if self.scheduler.prefix_caching and not on:
+                for cache in self.caches.values():
+                    cache.drop_prefix_cache()
+                    cache.trim()  # an idle cache gives its storage back
+            self.scheduler.prefix_caching = on
+
     def set_limits(
         self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None
     ) -> None:

@@ -45,18 +45,23 @@ class SequenceKV:
     """Positions the model has seen (written); the rest of the sequence is fed at its next pass."""
     evicted: int = 0
     """Positions it had seen when its blocks were taken back (a preemption): feeding them again is recomputation."""
+    hashes: list[int] = field(default_factory=list)
+    """Chain hashes of its full blocks of final tokens (prefix caching: computed once per block)."""
+    cached: int = 0
+    """Positions it took from the prefix cache instead of computing them."""
 
 
 class OutOfBlocks(RuntimeError):
     """The pool has no free block left within its budget."""
 
 
-def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
-    """The hash chain of ``tokens``' full blocks: block ``i``'s hash covers every token up to its end, so two
-    sequences share block ``i`` only when their first ``(i + 1) * block_size`` tokens agree."""
+def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
+    """The hash chain of ``tokens``' full blocks from block ``start`` (whose predecessor's hash is ``parent``):
+    block ``i``'s hash covers every token up to its end, so two sequences share block ``i`` only when their
+    first ``(i + 1) * block_size`` tokens agree."""
     out = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size])))
+    for begin in range(start * block_size, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[begin : begin + block_size])))
         out.append(parent)
     return out
 
@@ -202,26 +207,34 @@ class KVCache:
                 self.pool.idle.move_to_end(block)
             self.pool.share(block)
             seq.blocks.append(block)
+            seq.hashes.append(chain_hash)
         seq.length = len(seq.blocks) * self.block_size
+        seq.cached += seq.length
         return seq.length
 
     def commit(self, seq: SequenceKV, tokens: Sequence[int]) -> None:
         """Cache ``seq``'s full blocks written so far, whose final tokens are ``tokens`` (a prefix of the
         sequence's tokens, at least ``seq.length`` long: drafts a verification may still reject are not final)."""
         final = min(seq.length, len(tokens))
-        for index, chain_hash in enumerate(block_hashes(tokens[:final], self.block_size)):
+        done = len(seq.hashes)
+        if (done + 1) * self.block_size > final:
+            return
+        parent = seq.hashes[-1] if seq.hashes else 0
+        for index, chain_hash in enumerate(block_hashes(tokens[:final], self.block_size, parent, done), start=done):
             self.pool.register(seq.blocks[index], chain_hash)
+            seq.hashes.append(chain_hash)
 
     def fork(self, seq: SequenceKV) -> SequenceKV:
         """A sequence sharing ``seq``'s blocks and length (copied block by block only when written)."""
         for block in seq.blocks:
             self.pool.share(block)
-        return SequenceKV(blocks=list(seq.blocks), length=seq.length)
+        return SequenceKV(blocks=list(seq.blocks), length=seq.length, hashes=list(seq.hashes))
 
     def truncate(self, seq: SequenceKV, length: int) -> None:
         """Roll ``seq`` back to its first ``length`` positions, freeing the blocks past them (a cached block it
         keeps in part is copied before it is written again)."""
         seq.length = min(seq.length, length)
+        del seq.hashes[seq.length // self.block_size :]  # a block cut into holds other tokens from now on
         keep = self.blocks_for(seq.length)
         for block in seq.blocks[keep:]:
             self.pool.release(block)
@@ -230,6 +243,14 @@ class KVCache:
     def free(self, seq: SequenceKV) -> None:
         """Release all of ``seq``'s blocks."""
         self.truncate(seq, 0)
+
+    def drop_prefix_cache(self) -> None:
+        """Forget every cached block (idle ones become free); what sequences hold stays theirs."""
+        pool = self.pool
+        pool.free.extend(pool.idle)
+        pool.idle.clear()
+        pool.by_hash.clear()
+        pool.hash_of.clear()
 
     def trim(self) -> None:
         """Release the storage when no sequence holds a block and none is cached (memory follows the tokens

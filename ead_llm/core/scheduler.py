@@ -145,6 +145,9 @@ class Scheduler:
         self._touched: dict[Call, None] = {}
         """Calls whose sequences were retired since the last ``finish_step`` (one may now be complete)."""
         self._forks: list[tuple[Sequence, Fork]] = []
+        self.prefix_caching = True
+        """A sequence admitted starts from the cached blocks of its longest cached prefix (each model's own
+        cache), and full blocks of final tokens are cached as they are written."""
 
     # -- admission (under the engine's lock) ------------------------------------------------------
 
@@ -185,6 +188,10 @@ class Scheduler:
             self._admissions += 1
             seq.admitted = self._admissions
             self.running.append(seq)
+            if self.prefix_caching:
+                for role, kv in seq.kv.items():
+                    if not kv.blocks:
+                        self.caches[role].match(kv, seq.tokens)
         self.peak_running = max(self.peak_running, len(self.running))
 
     @property
@@ -291,6 +298,11 @@ class Scheduler:
         return the step's deliveries per call, in order: events and failures, then the end marker of a call
         whose last request just ended. (So a caller that has its answer finds the engine's load without it.)"""
         self.drop_cancelled()
+        if self.prefix_caching:
+            for seq in self.running:  # finished ones too: their blocks stay cached for the next call
+                final = seq.tokens[: seq.prompt_len + seq.generated]  # drafts are not final
+                for role, kv in seq.kv.items():
+                    self.caches[role].commit(kv, final)
         for seq in self.running:
             if seq.finished:
                 self._release(seq)
@@ -337,6 +349,9 @@ class Scheduler:
             text = seq.output.push(token, last=finish is not None)
             if seq.output.stopped:
                 finish = FinishReason.STOP
+        first = seq.generated == 1 and seq.path == 0
+        if first and any(kv.cached for kv in seq.kv.values()):  # prompt positions a model took from its cache
+            counters = (*counters, *((f"{r.value}_cached_tokens", kv.cached) for r, kv in seq.kv.items()))
         event = TokenEvent(
             index=seq.index,
             token_id=token,

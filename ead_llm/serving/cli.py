@@ -222,6 +222,8 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
     config = {k: v for k, v in config.items() if v is not None}  # the rest: EntropyAdaptiveLLM's defaults
     if args.no_json_bounds:
         config["json_bounds"] = None
+    if args.no_prefix_caching:
+        config["prefix_caching"] = False
     return config
 
 
@@ -450,6 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=(),
         metavar="ORIGIN",
         help="origins a browser may call from (CORS), such as https://app.example.com or * (default: none)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full (default: reuse the KV blocks of prompts seen before)",
     )
     serve.add_argument(
         "--no-json-bounds",

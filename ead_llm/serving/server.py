@@ -199,7 +199,14 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 
 
 def _usage(cost: Cost) -> dict[str, Any]:
-    return {**cost.to_dict(), "total_tokens": cost.prompt_tokens + cost.completion_tokens}
+    """OpenAI's usage (with ``prompt_tokens_details.cached_tokens``: the prompt positions the large model took
+    from its prefix cache) and the whole cost dict beside it."""
+    cached = int(cost.extra.get("large_cached_tokens", 0))
+    return {
+        **cost.to_dict(),
+        "total_tokens": cost.prompt_tokens + cost.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _text(content: str | list[ContentPart] | None) -> str:

@@ -1,0 +1,82 @@
+"""Automatic prefix caching in the engine: a prompt that starts like an earlier one takes the cached blocks instead
+of computing them, with the same tokens, whatever the policy, the KV budget or the paths; the bill says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from ead_llm import EAD, EAGER, LargeOnly, SpeculativeDecoding
+from ead_llm.core.engine import Engine
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.policies.base import Policy
+
+SHARED = "".join(f"{a}+{b}=" for a, b in zip(range(10, 40), range(40, 70), strict=True))  # a long common start
+PROMPTS = [SHARED + f"{a}+{a}=" for a in range(11, 15)]
+POLICIES = {
+    "large_only": LargeOnly(),
+    "ead": EAD(threshold=0.2, window=3, min_dwell=3),
+    "speculative": SpeculativeDecoding(gamma=3),
+    "eager": EAGER(theta=0.2, max_paths=3, temperature=0.0),
+}
+
+
+def run(engine: Engine, policy: Policy, prompts: list[str] = PROMPTS, max_tokens: int = 24) -> list:
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    return engine.generate([Request(p, policy, sampling) for p in prompts])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_a_cached_prefix_gives_the_same_tokens_for_less_work(llama_pair, name: str) -> None:
+    policy = POLICIES[name]
+    plain = Engine(llama_pair)
+    plain.prefix_caching = False
+    expected = run(plain, policy)
+    assert all("large_cached_tokens" not in c.cost.extra for c in expected)
+    engine = Engine(llama_pair)
+    first, second = run(engine, policy), run(engine, policy)
+    for got in (first, second):
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+        assert [c.roles for c in got] == [c.roles for c in expected]
+    processed = [sum(c.cost.large_processed_tokens + c.cost.small_processed_tokens for c in r) for r in (first, second)]
+    assert processed[1] < processed[0]
+    assert all(c.cost.extra.get("large_cached_tokens", 0) >= len(SHARED) // 2 for c in second)
+
+
+def test_a_tight_budget_evicts_cached_blocks_and_keeps_the_tokens(llama_pair) -> None:
+    expected = run(Engine(llama_pair), LargeOnly(), max_tokens=40)
+    tight = Engine(llama_pair, max_batch=4, kv_budget_tokens=400)  # the four prompts and answers barely fit
+    for _ in range(3):  # cached blocks are taken back for running sequences, which may also be preempted
+        got = run(tight, LargeOnly(), max_tokens=40)
+        assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    cache = tight.caches[Role.LARGE]
+    assert cache.pool.max_blocks is not None and cache.pool.used == 0
+    assert cache.pool.available() == cache.pool.max_blocks  # idle cached blocks count as available
+
+
+def test_turning_it_off_forgets_the_cache(llama_pair) -> None:
+    engine = Engine(llama_pair)
+    run(engine, LargeOnly())
+    assert engine.caches[Role.LARGE].pool.by_hash
+    engine.prefix_caching = False
+    assert not engine.caches[Role.LARGE].pool.by_hash and not engine.caches[Role.LARGE].pool.idle
+    assert all("large_cached_tokens" not in c.cost.extra for c in run(engine, LargeOnly()))
+    with pytest.raises(ValueError, match="prefix_caching"):
+        engine.prefix_caching = "yes"  # type: ignore[assignment]
+
+
+def test_the_server_reports_cached_prompt_tokens(llama_paths) -> None:
+    import openai
+
+    from ead_llm import EntropyAdaptiveLLM
+    from ead_llm.serving.server import create_app
+    from tests.serving.conftest import serve
+
+    small, large = llama_paths
+    llm = EntropyAdaptiveLLM(small=str(small), large=str(large), policy=LargeOnly(), max_tokens=8)
+    for url in serve(create_app(llm, "m")):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        first, second = (client.completions.create(model="m", prompt=SHARED + "1+1=") for _ in range(2))
+        assert first.choices[0].text == second.choices[0].text
+        cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)]  # type: ignore[union-attr]
+        assert cached[1] >= len(SHARED) // 2 and cached[1] > cached[0]
