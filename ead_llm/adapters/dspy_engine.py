@@ -35,7 +35,7 @@ from dspy.lm15 import Request as LMRequest
 from ead_llm.accounting.ledger import Cost
 from ead_llm.adapters.dspy_formats import chat_adapter_constraint
 from ead_llm.adapters.prompts import render
-from ead_llm.core.grammar import Constraint
+from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, ResponseFormatError
 from ead_llm.core.request import Completion, PromptTooLongError, Request
 from ead_llm.core.types import TokenEvent
 
@@ -120,27 +120,14 @@ _UNSUPPORTED_CONFIG = (
 )
 
 
-def response_constraint(value: Any) -> Constraint | None:
+def response_constraint(value: Any, bounds: JsonBounds | None = DEFAULT_BOUNDS) -> Constraint | None:
     """The constraint of a canonical ``response_format`` (what DSPy's JSONAdapter asks for): ``json_object``,
-    ``json_schema`` (lm15's flat shape or OpenAI's nested one), or a pydantic model class."""
-    if value is None:
-        return None
-    if isinstance(value, type):
-        return Constraint.json_schema(value)
-    if not isinstance(value, dict):
-        raise UnsupportedFeatureError(f"ead-llm cannot honour response_format {value!r}")
-    kind = value.get("type")
-    if kind in (None, "text"):
-        return None
-    if kind == "json_object":
-        return Constraint.json_object()
-    if kind == "json_schema":
-        spec = value.get("json_schema", value)
-        schema = spec.get("schema")
-        if not isinstance(schema, dict):
-            raise UnsupportedFeatureError("response_format json_schema needs a 'schema' object")
-        return Constraint.json_schema(schema, strict=bool(spec.get("strict", True)))
-    raise UnsupportedFeatureError(f"ead-llm cannot honour response_format of type {kind!r}")
+    ``json_schema`` (lm15's flat shape or OpenAI's nested one), or a pydantic model class; a shape it cannot
+    read is DSPy's ``UnsupportedFeatureError``."""
+    try:
+        return Constraint.response_format(value, bounds=bounds)
+    except ResponseFormatError as exc:
+        raise UnsupportedFeatureError(str(exc)) from exc
 
 
 def _options(request: LMRequest) -> dict[str, Any]:

@@ -36,6 +36,10 @@ ConstraintKind = Literal["json_schema", "json_object", "regex", "lark"]
 _KINDS = ("json_schema", "json_object", "regex", "lark")
 
 
+class ResponseFormatError(ValueError):
+    """A ``response_format`` of a shape no constraint stands for (an unknown type, a json_schema without one)."""
+
+
 class ConstraintViolation(RuntimeError):
     """A token outside the grammar reached a constrained sequence (a bug: masks should prevent it)."""
 
@@ -265,14 +269,15 @@ class Constraint:
     @classmethod
     def response_format(cls, value: Any, *, bounds: JsonBounds | None = DEFAULT_BOUNDS) -> Constraint | None:
         """The constraint of OpenAI's ``response_format``: ``{"type": "json_object"}``, ``{"type": "json_schema",
-        "json_schema": {"schema": ..., "strict": ...}}`` (or the flat shape with ``schema`` beside ``type``), or a
-        pydantic class; None for ``text``. ``ValueError`` for anything else."""
+        "json_schema": {"schema": ..., "strict": ...}}`` (or lm15's flat shape with ``schema`` beside ``type``;
+        ``strict`` unless it says otherwise), or a pydantic class; None for ``text``. A shape it cannot read is a
+        :class:`ResponseFormatError`; an invalid schema a ``ValueError``."""
         if value is None:
             return None
         if isinstance(value, type):
             return cls.json_schema(value, bounds=bounds)
         if not isinstance(value, dict):
-            raise ValueError(f"response_format must be a dict or a pydantic class, got {value!r}")
+            raise ResponseFormatError(f"ead-llm cannot honour response_format {value!r}")
         kind = value.get("type")
         if kind in (None, "text"):
             return None
@@ -282,9 +287,9 @@ class Constraint:
             spec = value.get("json_schema", value)
             schema = spec.get("schema") if isinstance(spec, dict) else None
             if not isinstance(schema, dict):
-                raise ValueError("response_format json_schema needs a 'schema' object")
-            return cls.json_schema(schema, strict=spec.get("strict") is not False, bounds=bounds)
-        raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+                raise ResponseFormatError("response_format json_schema needs a 'schema' object")
+            return cls.json_schema(schema, strict=bool(spec.get("strict", True)), bounds=bounds)
+        raise ResponseFormatError(f"ead-llm cannot honour response_format of type {kind!r}")
 
     def lark_rule(self) -> str:
         """This constraint as the body of a rule in a Lark grammar (to combine it with others)."""
