@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams
@@ -145,7 +145,71 @@ def _zero_usage() -> UsageMetadata:
     return UsageMetadata(input_tokens=0, output_tokens=0, total_tokens=0)
 
 
-class ChatEntropyAdaptive(PairModel, BaseChatModel):
+class _BindsTools:
+    """``bind_tools`` and ``with_structured_output``, the same for the model and for its bindings: each binds on
+    top of the options it already has (a binding's settings and tools included)."""
+
+    if TYPE_CHECKING:
+
+        def bind(self, **kwargs: Any) -> BoundChat: ...
+
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
+        *,
+        tool_choice: ToolChoice = None,
+        parallel_tool_calls: bool | None = None,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> BoundChat:
+        """This model offering ``tools`` (LangChain tools, functions, pydantic models, TypedDicts or OpenAI
+        specs). ``tool_choice``: ``auto`` (default: free text, calls parsed), ``none``, ``required``/``any``
+        (one or more calls), or a tool's name (exactly that call); the last two are enforced by the grammar.
+        ``parallel_tool_calls=False`` allows one call at most (OpenAI's meaning); a call repeated word for word
+        in one answer counts once. ``response_format`` (OpenAI's, as ``create_agent``'s ``ProviderStrategy``
+        binds it) makes the answer either calls or that JSON. ``strict`` is accepted for compatibility (calls
+        are always valid under their schemas)."""
+        specs = check_tools([_tool_spec(t) for t in tools])
+        chosen_tools(specs, tool_choice)  # refuse a bad choice now, not at the first call
+        bound: dict[str, Any] = {"tools": specs, **kwargs}
+        if tool_choice is not None:
+            bound["tool_choice"] = tool_choice
+        if parallel_tool_calls is not None:
+            bound["parallel_tool_calls"] = parallel_tool_calls
+        return self.bind(**bound)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """Answers parsed into ``schema`` (a pydantic class, a TypedDict, a JSON schema or an OpenAI tool
+        spec). ``json_schema`` (default) constrains the answer to the schema; ``function_calling`` forces a
+        call of a tool named after it; ``json_mode`` constrains it to any JSON object. An answer cut by
+        ``max_tokens``, or without the call, raises ``OutputParserException`` (as langchain-openai refuses a
+        ``finish_reason="length"`` answer); with ``include_raw`` the error is in ``parsing_error`` beside
+        ``raw`` and ``parsed=None``. ``strict`` is accepted for compatibility (the grammar is always strict)."""
+        if kwargs:
+            raise ValueError(f"unsupported arguments {sorted(kwargs)}")
+        check_method(method)
+        trace: dict[str, Any] = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
+        if method == "function_calling":
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **trace)
+            return structured(llm, tool_parser(schema, name), include_raw)
+        if method == "json_schema":
+            json_schema = {"schema": json_schema_of(schema), "strict": True}
+            response_format: dict[str, Any] = {"type": "json_schema", "json_schema": json_schema}
+        else:
+            response_format = {"type": "json_object"}
+        return structured(self.bind(response_format=response_format, **trace), text_parser(schema), include_raw)
+
+
+class ChatEntropyAdaptive(_BindsTools, PairModel, BaseChatModel):
     """The pair as a LangChain chat model; the same settings and per-call overrides as ``EntropyAdaptiveLLM``."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
@@ -215,41 +279,6 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         settings = {name: kwargs.pop(name) for name in (*CALL_OPTIONS, "stop") if name in kwargs}
         return self.model_copy(update=settings) if settings else self
 
-    def bind_tools(
-        self,
-        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
-        *,
-        tool_choice: ToolChoice = None,
-        parallel_tool_calls: bool | None = None,
-        strict: bool | None = None,
-        **kwargs: Any,
-    ) -> BoundChat:
-        """This model offering ``tools`` (LangChain tools, functions, pydantic models, TypedDicts or OpenAI
-        specs). ``tool_choice``: ``auto`` (default: free text, calls parsed), ``none``, ``required``/``any``
-        (one or more calls), or a tool's name (exactly that call); the last two are enforced by the grammar.
-        ``parallel_tool_calls=False`` allows one call at most (OpenAI's meaning); a call repeated word for word
-        in one answer counts once. ``response_format`` (OpenAI's, as ``create_agent``'s ``ProviderStrategy``
-        binds it) makes the answer either calls or that JSON. ``strict`` is accepted for compatibility (calls
-        are always valid under their schemas)."""
-        return _bind_tools(self, tools, tool_choice, parallel_tool_calls, kwargs)
-
-    def with_structured_output(
-        self,
-        schema: dict[str, Any] | type,
-        *,
-        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
-        include_raw: bool = False,
-        strict: bool | None = None,
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """Answers parsed into ``schema`` (a pydantic class, a TypedDict, a JSON schema or an OpenAI tool
-        spec). ``json_schema`` (default) constrains the answer to the schema; ``function_calling`` forces a
-        call of a tool named after it; ``json_mode`` constrains it to any JSON object. An answer cut by
-        ``max_tokens``, or without the call, raises ``OutputParserException`` (as langchain-openai refuses a
-        ``finish_reason="length"`` answer); with ``include_raw`` the error is in ``parsing_error`` beside
-        ``raw`` and ``parsed=None``. ``strict`` is accepted for compatibility (the grammar is always strict)."""
-        return _structured_output(self, schema, method, include_raw, kwargs)
-
     def _tools(self, kwargs: dict[str, Any]) -> ToolPlan:
         """Pops the tool options (and OpenAI's ``response_format``) from ``kwargs``; the plan's grammar becomes
         the call's ``grammar``."""
@@ -281,8 +310,8 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> ChatResult:
         call = self._call(messages, stop, kwargs)
-        if call.watches:  # tools offered: read the calls as they come, and end the answer at a repeated one
-            for event, cost in self._stream_events(call.request, call.repeats):
+        if call.until is not None:  # tools offered: read the calls as they come, and end the answer at a repeat
+            for event, cost in self._stream_events(call.request, call.until):
                 call.take(event, cost)
             return call.taken()
         (completion,), total = self._run([call.request])
@@ -297,8 +326,8 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
     ) -> ChatResult:
         """Awaits the engine itself: cancelling the task stops the decoding within one engine step."""
         call = self._call(messages, stop, kwargs)
-        if call.watches:
-            async for event, cost in self._astream_events(call.request, call.repeats):
+        if call.until is not None:
+            async for event, cost in self._astream_events(call.request, call.until):
                 call.take(event, cost)
             return call.taken()
         (completion,), total = await self._arun([call.request])
@@ -312,7 +341,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         call = self._call(messages, stop, kwargs)
-        for event, cost in self._stream_events(call.request, call.repeats if call.watches else None):
+        for event, cost in self._stream_events(call.request, call.until):
             chunk = call.chunk(event, cost)
             if run_manager is not None:
                 run_manager.on_llm_new_token(event.text, chunk=chunk)
@@ -326,7 +355,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         call = self._call(messages, stop, kwargs)
-        async for event, cost in self._astream_events(call.request, call.repeats if call.watches else None):
+        async for event, cost in self._astream_events(call.request, call.until):
             chunk = call.chunk(event, cost)
             if run_manager is not None:
                 await run_manager.on_llm_new_token(event.text, chunk=chunk)
@@ -339,7 +368,7 @@ class ChatEntropyAdaptive(PairModel, BaseChatModel):
         return _ChatCall(self, request, plan, prompt_text(self.shared_engine.tokenizer, prompt))
 
 
-class BoundChat(RunnableBinding):
+class BoundChat(_BindsTools, RunnableBinding):
     """``chat.bind(...)``: LangChain's binding of a model whose bound settings are its own (see
     :meth:`ChatEntropyAdaptive.bind`); ``bind_tools`` and ``with_structured_output`` keep the bound options."""
 
@@ -356,69 +385,6 @@ class BoundChat(RunnableBinding):
             custom_output_type=self.custom_output_type,
         )
 
-    def bind_tools(
-        self,
-        tools: Sequence[dict[str, Any] | type | Callable | BaseTool],
-        *,
-        tool_choice: ToolChoice = None,
-        parallel_tool_calls: bool | None = None,
-        strict: bool | None = None,
-        **kwargs: Any,
-    ) -> BoundChat:
-        """The model's ``bind_tools`` on top of this binding's options."""
-        return _bind_tools(self, tools, tool_choice, parallel_tool_calls, kwargs)
-
-    def with_structured_output(
-        self,
-        schema: dict[str, Any] | type,
-        *,
-        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
-        include_raw: bool = False,
-        strict: bool | None = None,
-        **kwargs: Any,
-    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
-        """The model's ``with_structured_output`` on top of this binding's options."""
-        return _structured_output(self, schema, method, include_raw, kwargs)
-
-
-def _bind_tools(
-    base: ChatEntropyAdaptive | BoundChat,
-    tools: Sequence[Any],
-    tool_choice: ToolChoice,
-    parallel: bool | None,  # noqa: FBT001 (private helper)
-    kwargs: dict[str, Any],
-) -> BoundChat:
-    specs = check_tools([_tool_spec(t) for t in tools])
-    chosen_tools(specs, tool_choice)  # refuse a bad choice now, not at the first call
-    bound: dict[str, Any] = {"tools": specs, **kwargs}
-    if tool_choice is not None:
-        bound["tool_choice"] = tool_choice
-    if parallel is not None:
-        bound["parallel_tool_calls"] = parallel
-    return base.bind(**bound)
-
-
-def _structured_output(
-    base: ChatEntropyAdaptive | BoundChat,
-    schema: Any,
-    method: str,
-    include_raw: bool,  # noqa: FBT001 (private helper)
-    kwargs: dict[str, Any],
-) -> Runnable[LanguageModelInput, dict | BaseModel]:
-    if kwargs:
-        raise ValueError(f"unsupported arguments {sorted(kwargs)}")
-    check_method(method)
-    trace: dict[str, Any] = {"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
-    if method == "function_calling":
-        name = convert_to_openai_tool(schema)["function"]["name"]
-        llm = base.bind_tools([schema], tool_choice=name, parallel_tool_calls=False, **trace)
-        return structured(llm, tool_parser(schema, name), include_raw)
-    if method == "json_schema":
-        response_format = {"type": "json_schema", "json_schema": {"schema": json_schema_of(schema), "strict": True}}
-    else:
-        response_format = {"type": "json_object"}
-    return structured(base.bind(response_format=response_format, **trace), text_parser(schema), include_raw)
-
 
 class _ChatCall:
     """One chat call: its engine request and how its text becomes a message (tool calls read out), whole or
@@ -427,24 +393,12 @@ class _ChatCall:
     def __init__(self, model: ChatEntropyAdaptive, request: Request, plan: ToolPlan, prefix: str) -> None:
         self.model, self.request, self.plan, self.prefix = model, request, plan, prefix
         self._reader: CallReader | None = plan.reader()
-        self._watcher = plan.reader()
+        self.until = None if request.policy.votes else plan.until()
+        """Where the answer ends early (a repeated call), read as it comes; None: a policy that cannot stream."""
         self._made = 0
         self._text: list[str] = []
         self._models: list[str] = []
         self._end: tuple[str, Cost] | None = None
-
-    @property
-    def watches(self) -> bool:
-        """Whether the answer is read for calls as it comes (tools offered, and a policy that can stream)."""
-        return self._watcher is not None and not self.request.policy.votes
-
-    def repeats(self, event: TokenEvent) -> bool:
-        """Whether ``event`` completes a call the answer already made, or one more than ``parallel_tool_calls``
-        allows (a weak model repeating itself): the answer ends there instead of at ``max_tokens``."""
-        if self._watcher is None:
-            return False
-        self._watcher.push(event.text)
-        return self._watcher.dropped > 0
 
     def _metadata(self, cost: Cost, finish: str, models: str) -> dict[str, Any]:
         """What an invoked message and a stream's last chunk both carry."""

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, closed
+from ead_llm.core.types import TokenEvent
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_PARALLEL_CALLS = 8
@@ -128,6 +129,20 @@ class ToolPlan:
     def reader(self) -> CallReader | None:
         """A reader of the answer's calls (None where no tool is offered)."""
         return None if self.mode == "none" else CallReader(parallel=self.parallel)
+
+    def until(self) -> Callable[[TokenEvent], bool] | None:
+        """Where one answer ends early: at the event that completes a call the answer already made, or one more
+        than ``parallel_tool_calls`` allows (a weak model repeating itself), instead of at ``max_tokens``. None
+        where no tool is offered. One per answer (it reads the answer as it comes)."""
+        watcher = self.reader()
+        if watcher is None:
+            return None
+
+        def repeated(event: TokenEvent) -> bool:
+            watcher.push(event.text)
+            return watcher.dropped > 0
+
+        return repeated
 
 
 def plan_tools(

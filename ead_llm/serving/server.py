@@ -528,14 +528,7 @@ class Server:
             def stream(events: AsyncIterator[tuple[TokenEvent, Cost | None]]) -> AsyncIterator[str]:
                 return self._chunks("chat.completion.chunk", events, body, plan)
 
-        watcher = plan.reader()
-        until = None
-        if watcher is not None and len(requests) == 1 and not requests[0].policy.votes:
-
-            def until(event: TokenEvent) -> bool:  # the answer ends at a repeated call, not at max_tokens
-                watcher.push(event.text)
-                return watcher.dropped > 0
-
+        until = plan.until() if len(requests) == 1 and not requests[0].policy.votes else None
         return Job(requests, respond, stream, until)
 
     def _envelope(
