@@ -110,12 +110,18 @@ def test_a_block_hash_covers_every_token_before_it() -> None:
     assert block_hashes(list(range(8)), 4) == a  # the same tokens, the same chain
 
 
+def committed(cache: KVCache, tokens: list[int]) -> SequenceKV:
+    """A sequence that wrote ``tokens`` (each as its own number) and committed them to the prefix cache."""
+    seq = SequenceKV()
+    write_positions(cache, seq, [float(t) for t in tokens])
+    cache.commit(seq, tokens)
+    return seq
+
+
 def test_a_committed_prefix_is_shared_not_recomputed() -> None:
     cache = KVCache(1, block_size=4)
     tokens = list(range(10))
-    first = SequenceKV()
-    write_positions(cache, first, [float(t) for t in tokens])
-    cache.commit(first, tokens)
+    first = committed(cache, tokens)
     second = SequenceKV()
     assert cache.match(second, [*tokens[:9], 99]) == 8  # two full blocks of the 9 shared tokens
     assert second.blocks == first.blocks[:2] and cache.pool.refs[first.blocks[0]] == 2
@@ -130,10 +136,7 @@ def test_a_committed_prefix_is_shared_not_recomputed() -> None:
 def test_cached_blocks_outlive_their_holders_until_blocks_run_out() -> None:
     cache = KVCache(1, block_size=4, max_tokens=16)  # 4 blocks
     tokens = list(range(9))
-    held = SequenceKV()
-    write_positions(cache, held, [float(t) for t in tokens])
-    cache.commit(held, tokens)
-    cache.free(held)
+    cache.free(committed(cache, tokens))
     assert cache.pool.used == 0 and len(cache.pool.idle) == 2 and cache.pool.available() == 4
     cache.trim()
     assert cache.nbytes() > 0  # the cache keeps its storage while blocks are cached
@@ -149,9 +152,7 @@ def test_cached_blocks_outlive_their_holders_until_blocks_run_out() -> None:
 def test_a_cached_block_is_never_written_again() -> None:
     cache = KVCache(1, block_size=4)
     tokens = list(range(8))
-    seq = SequenceKV()
-    write_positions(cache, seq, [float(t) for t in tokens])
-    cache.commit(seq, tokens)
+    seq = committed(cache, tokens)
     cached = seq.blocks[1]
     cache.truncate(seq, 6)  # a rejected draft: roll back into the cached block...
     write_positions(cache, seq, [-1.0, -2.0])  # ...and write other tokens there
