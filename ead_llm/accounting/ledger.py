@@ -19,22 +19,34 @@ class Pricing:
     A model's input price applies to every position it processed (prompt prefill, catch-up,
     fed-back tokens), its output price to every token it emitted. Positions fed again because the engine
     evicted a sequence's cache for other users (``recomputed_tokens``) are not charged: a bill never
-    depends on the load.
+    depends on the load. Prompt positions a model took from its prefix cache (``*_cached_tokens``) pay
+    ``*_cached_input``; left at None they pay the input price, so that the bill does not depend on what earlier
+    calls left in the cache either (set it, e.g. to 0 or to half the input price, to pass the saving on).
     """
 
     small_input: float = 0.0
     small_output: float = 0.0
     large_input: float = 0.0
     large_output: float = 0.0
+    small_cached_input: float | None = None
+    large_cached_input: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("small_input", "small_output", "large_input", "large_output"):
             check_float(f"pricing.{name}", getattr(self, name), minimum=0.0)
+        for name in ("small_cached_input", "large_cached_input"):
+            if getattr(self, name) is not None:
+                check_float(f"pricing.{name}", getattr(self, name), minimum=0.0)
 
-    def usd(self, role: Role, processed: int, emitted: int) -> float:
-        price_in = self.small_input if role is Role.SMALL else self.large_input
-        price_out = self.small_output if role is Role.SMALL else self.large_output
-        return (processed * price_in + emitted * price_out) / 1e6
+    def usd(self, role: Role, processed: int, emitted: int, cached: int = 0) -> float:
+        """The price of ``processed`` positions, ``emitted`` tokens and ``cached`` positions read from the cache."""
+        small = role is Role.SMALL
+        price_in = self.small_input if small else self.large_input
+        price_out = self.small_output if small else self.large_output
+        price_cached = self.small_cached_input if small else self.large_cached_input
+        if price_cached is None:
+            price_cached = price_in
+        return (processed * price_in + emitted * price_out + cached * price_cached) / 1e6
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,10 @@ class Cost:
     recomputed_tokens: int = 0
     """Positions fed again after the engine evicted this sequence's cache to make room for others (both models):
     load, not the request's own work, so not in the processed tokens, ``flops`` or ``cost_usd``."""
+    small_cached_tokens: int = 0
+    large_cached_tokens: int = 0
+    """Prompt positions each model took from its prefix cache instead of computing: not processed tokens, not in
+    ``flops``; priced by ``Pricing.*_cached_input``."""
     extra: dict[str, int | float] = field(default_factory=dict)
     """Policy-specific counters, summed over a call."""
 
@@ -80,6 +96,8 @@ class Cost:
             "large_processed_tokens": self.large_processed_tokens,
             "flops": self.flops,
             "recomputed_tokens": self.recomputed_tokens,
+            "small_cached_tokens": self.small_cached_tokens,
+            "large_cached_tokens": self.large_cached_tokens,
             "parameter_ratio": self.parameter_ratio,
             "wall_time_s": self.wall_time_s,
         }
@@ -123,6 +141,8 @@ class Cost:
             large_processed_tokens=sum(c.large_processed_tokens for c in items),
             flops=sum(c.flops for c in items),
             recomputed_tokens=sum(c.recomputed_tokens for c in items),
+            small_cached_tokens=sum(c.small_cached_tokens for c in items),
+            large_cached_tokens=sum(c.large_cached_tokens for c in items),
             wall_time_s=wall_time_s,
             small_params=items[0].small_params,
             large_params=items[0].large_params,
@@ -144,6 +164,7 @@ class CompletionLedger:
         """Counted from the events: a request's first event reports its prompt."""
         self._emitted = {Role.SMALL: 0, Role.LARGE: 0}
         self._processed = {Role.SMALL: 0, Role.LARGE: 0}
+        self._cached = {Role.SMALL: 0, Role.LARGE: 0}
         self._flops = 0
         self._recomputed = 0
         self._switches = 0
@@ -152,6 +173,8 @@ class CompletionLedger:
 
     def record(self, event: TokenEvent) -> None:
         self.prompt_tokens += event.prompt_tokens
+        for role, positions in event.cached_tokens:
+            self._cached[role] += positions
         for name, count in event.counters:
             self._counters[name] = self._counters.get(name, 0) + count
         self._emitted[event.role] += 1
@@ -174,7 +197,9 @@ class CompletionLedger:
     def cost(self, wall_time_s: float) -> Cost:
         usd = None
         if self._pricing is not None:
-            usd = sum(self._pricing.usd(role, self._processed[role], self._emitted[role]) for role in Role)
+            usd = sum(
+                self._pricing.usd(role, self._processed[role], self._emitted[role], self._cached[role]) for role in Role
+            )
         return Cost(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self._emitted[Role.SMALL] + self._emitted[Role.LARGE],
@@ -185,6 +210,8 @@ class CompletionLedger:
             large_processed_tokens=self._processed[Role.LARGE],
             flops=self._flops,
             recomputed_tokens=self._recomputed,
+            small_cached_tokens=self._cached[Role.SMALL],
+            large_cached_tokens=self._cached[Role.LARGE],
             wall_time_s=wall_time_s,
             small_params=self._info[Role.SMALL].params,
             large_params=self._info[Role.LARGE].params,

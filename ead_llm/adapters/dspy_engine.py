@@ -130,6 +130,16 @@ def response_constraint(value: Any, bounds: JsonBounds | None = DEFAULT_BOUNDS) 
         raise UnsupportedFeatureError(str(exc)) from exc
 
 
+def _usage(cost: Cost) -> Usage:
+    """DSPy's usage; ``cache_read_tokens``: the prompt tokens the large model took from its prefix cache."""
+    return Usage(
+        input_tokens=cost.prompt_tokens,
+        output_tokens=cost.completion_tokens,
+        total_tokens=cost.prompt_tokens + cost.completion_tokens,
+        cache_read_tokens=cost.large_cached_tokens or None,
+    )
+
+
 def _options(request: LMRequest) -> dict[str, Any]:
     """Per-call sampling overrides carried by ``request.config`` (a ``response_format`` becomes the
     engine's grammar constraint)."""
@@ -219,7 +229,7 @@ class PairEngine:
             model=request.model,
             message=Message.assistant(completion.text),
             finish_reason=completion.finish_reason.value,
-            usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
+            usage=_usage(cost),
             provider_data=self._provider_data(cost, "".join(r.letter for r in completion.roles)),
         )
 
@@ -254,7 +264,7 @@ class PairEngine:
         if cost is not None and event.finish_reason is not None:
             yield StreamEndEvent(
                 finish_reason=event.finish_reason.value,
-                usage=Usage(input_tokens=cost.prompt_tokens, output_tokens=cost.completion_tokens),
+                usage=_usage(cost),
                 provider_data=self._provider_data(cost, "".join(models)),
             )
 

@@ -31,7 +31,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableBinding
@@ -134,11 +134,16 @@ ToolChoice = Literal["auto", "none", "required", "any"] | str | dict[str, Any] |
 
 
 def _usage(cost: Cost) -> UsageMetadata:
-    return UsageMetadata(
+    """LangChain's usage; ``input_token_details.cache_read``: the prompt tokens the large model took from its
+    prefix cache (counted in ``input_tokens`` too, as OpenAI's cached tokens are)."""
+    usage = UsageMetadata(
         input_tokens=cost.prompt_tokens,
         output_tokens=cost.completion_tokens,
         total_tokens=cost.prompt_tokens + cost.completion_tokens,
     )
+    if cost.large_cached_tokens:
+        usage["input_token_details"] = InputTokenDetails(cache_read=cost.large_cached_tokens)
+    return usage
 
 
 def _zero_usage() -> UsageMetadata:

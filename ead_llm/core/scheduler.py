@@ -350,8 +350,6 @@ class Scheduler:
             if seq.output.stopped:
                 finish = FinishReason.STOP
         first = seq.generated == 1 and seq.path == 0
-        if first and any(kv.cached for kv in seq.kv.values()):  # prompt positions a model took from its cache
-            counters = (*counters, *((f"{r.value}_cached_tokens", kv.cached) for r, kv in seq.kv.items()))
         event = TokenEvent(
             index=seq.index,
             token_id=token,
@@ -362,7 +360,8 @@ class Scheduler:
             finish_reason=finish,
             counters=counters,
             path=seq.path,
-            prompt_tokens=seq.prompt_len if seq.generated == 1 and seq.path == 0 else 0,
+            prompt_tokens=seq.prompt_len if first else 0,
+            cached_tokens=tuple((r, kv.cached) for r, kv in seq.kv.items() if kv.cached) if first else (),
             branched_from=seq.branched_from
             if seq.branched_from and seq.generated == seq.branched_from[1] + 1
             else None,

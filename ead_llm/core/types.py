@@ -66,6 +66,9 @@ class TokenEvent:
     prompt_tokens: int = 0
     """On a request's first event (path 0): the prompt tokens it decoded from, after any truncation;
     0 on every other event, so that summing over events counts each prompt once."""
+    cached_tokens: tuple[tuple[Role, int], ...] = ()
+    """On a request's first event (path 0): ``(role, positions)`` for each model that took prompt positions from
+    its prefix cache instead of computing them (they are not in ``work``)."""
     branched_from: tuple[int, int] | None = None
     """On the first event of a path branched off another (EAGER): ``(parent path, tokens)``, the path
     continues the first ``tokens`` generated tokens of its parent."""

@@ -195,11 +195,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def serve_pricing(args: argparse.Namespace) -> Pricing | None:
-    """The prices ``--price-*`` give (unnamed ones 0), or None when none is given."""
+    """The prices ``--price-*`` give (unnamed ones 0; unnamed cached-input prices the input price), or None when
+    none is given."""
     from ead_llm.accounting.ledger import Pricing
 
-    prices = (args.price_small_input, args.price_small_output, args.price_large_input, args.price_large_output)
-    return None if all(p is None for p in prices) else Pricing(*(p or 0.0 for p in prices))
+    names = [f"{model}_{side}" for model in ("small", "large") for side in ("input", "output", "cached_input")]
+    prices = {name: getattr(args, f"price_{name}") for name in names}
+    if all(p is None for p in prices.values()):
+        return None
+    return Pricing(**{k: v if v is not None or "cached" in k else 0.0 for k, v in prices.items()})
 
 
 def serve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -429,6 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 help=f"USD per million {side} tokens of the {model} model (any price given: usage carries cost_usd)",
             )
+        serve.add_argument(
+            f"--price-{model}-cached-input",
+            type=float,
+            default=None,
+            help=f"USD per million prompt tokens the {model} model reads from its cache (default: its input price)",
+        )
     serve.add_argument(
         "--max-request-bytes",
         type=int,

@@ -201,7 +201,7 @@ def _error(message: str, status: int, param: str | None = None) -> JSONResponse:
 def _usage(cost: Cost) -> dict[str, Any]:
     """OpenAI's usage (with ``prompt_tokens_details.cached_tokens``: the prompt positions the large model took
     from its prefix cache) and the whole cost dict beside it."""
-    cached = int(cost.extra.get("large_cached_tokens", 0))
+    cached = cost.large_cached_tokens
     return {
         **cost.to_dict(),
         "total_tokens": cost.prompt_tokens + cost.completion_tokens,

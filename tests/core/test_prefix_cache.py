@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ead_llm import EAD, EAGER, LargeOnly, SpeculativeDecoding
+from ead_llm.accounting.ledger import Pricing
 from ead_llm.core.engine import Engine
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
@@ -32,7 +33,7 @@ def test_a_cached_prefix_gives_the_same_tokens_for_less_work(llama_pair, name: s
     plain = Engine(llama_pair)
     plain.prefix_caching = False
     expected = run(plain, policy)
-    assert all("large_cached_tokens" not in c.cost.extra for c in expected)
+    assert all(c.cost.large_cached_tokens == c.cost.small_cached_tokens == 0 for c in expected)
     engine = Engine(llama_pair)
     first, second = run(engine, policy), run(engine, policy)
     for got in (first, second):
@@ -40,7 +41,35 @@ def test_a_cached_prefix_gives_the_same_tokens_for_less_work(llama_pair, name: s
         assert [c.roles for c in got] == [c.roles for c in expected]
     processed = [sum(c.cost.large_processed_tokens + c.cost.small_processed_tokens for c in r) for r in (first, second)]
     assert processed[1] < processed[0]
-    assert all(c.cost.extra.get("large_cached_tokens", 0) >= len(SHARED) // 2 for c in second)
+    assert all(c.cost.large_cached_tokens >= len(SHARED) // 2 for c in second)
+
+
+def test_cached_positions_pay_their_own_price(llama_pair) -> None:
+    """Left unpriced, a cached position pays the input price, so the bill is the same with a cold or a warm cache;
+    priced, it pays exactly that price instead (and each model's count is in the cost dict)."""
+    engine = Engine(llama_pair)
+    sampling = SamplingParams(max_tokens=6, temperature=0.0)
+    requests = [Request(PROMPTS[0], SpeculativeDecoding(gamma=3), sampling)]
+    same = Pricing(small_input=3.0, large_input=7.0, small_output=5.0, large_output=11.0)
+    cold = engine.generate(requests, pricing=same)[0].cost
+    warm = engine.generate(requests, pricing=same)[0].cost
+    assert cold.large_cached_tokens == 0 < warm.large_cached_tokens and warm.small_cached_tokens > 0
+    assert warm.cost_usd == pytest.approx(cold.cost_usd)
+    cheap = Pricing(
+        small_input=3.0,
+        large_input=7.0,
+        small_output=5.0,
+        large_output=11.0,
+        large_cached_input=0.5,
+        small_cached_input=0.0,
+    )
+    priced = engine.generate(requests, pricing=cheap)[0].cost
+    assert priced.large_cached_tokens == warm.large_cached_tokens
+    saving = (warm.large_cached_tokens * (7.0 - 0.5) + warm.small_cached_tokens * 3.0) / 1e6
+    assert priced.cost_usd == pytest.approx(cold.cost_usd - saving)
+    assert {"small_cached_tokens", "large_cached_tokens"} <= set(priced.to_dict())
+    with pytest.raises(ValueError, match="large_cached_input"):
+        Pricing(large_cached_input=-1.0)
 
 
 def test_a_tight_budget_evicts_cached_blocks_and_keeps_the_tokens(llama_pair) -> None:
@@ -60,7 +89,7 @@ def test_turning_it_off_forgets_the_cache(llama_pair) -> None:
     assert engine.caches[Role.LARGE].pool.by_hash
     engine.prefix_caching = False
     assert not engine.caches[Role.LARGE].pool.by_hash and not engine.caches[Role.LARGE].pool.idle
-    assert all("large_cached_tokens" not in c.cost.extra for c in run(engine, LargeOnly()))
+    assert all(c.cost.large_cached_tokens == 0 for c in run(engine, LargeOnly()))
     with pytest.raises(ValueError, match="prefix_caching"):
         engine.prefix_caching = "yes"  # type: ignore[assignment]
 
@@ -80,3 +109,26 @@ def test_the_server_reports_cached_prompt_tokens(llama_paths) -> None:
         assert first.choices[0].text == second.choices[0].text
         cached = [r.usage.prompt_tokens_details.cached_tokens for r in (first, second)]  # type: ignore[union-attr]
         assert cached[1] >= len(SHARED) // 2 and cached[1] > cached[0]
+
+
+def test_langchain_and_dspy_report_cached_prompt_tokens(llama_paths) -> None:
+    """The frameworks' own usage channels carry the large model's cached prompt tokens (OpenAI's meaning)."""
+    import dspy
+
+    from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM
+
+    small, large = llama_paths
+    chat = ChatEntropyAdaptive(small=str(small), large=str(large), policy=LargeOnly(), max_tokens=4)
+    first, second = (chat.invoke(SHARED + "1+1=") for _ in range(2))
+    assert "input_token_details" not in (first.usage_metadata or {})
+    details = (second.usage_metadata or {}).get("input_token_details", {})
+    assert details.get("cache_read", 0) >= len(SHARED) // 2
+    assert details["cache_read"] == second.response_metadata["cost"]["large_cached_tokens"]
+
+    lm = EntropyAdaptiveLLM(small=str(small), large=str(large), policy=LargeOnly(), max_tokens=4, cache=False)
+    for _ in range(2):
+        lm(SHARED + "2+2=")
+    usage = lm.history[-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == lm.history[-1]["ead_cost"]["large_cached_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert isinstance(lm, dspy.BaseLM)

@@ -198,6 +198,13 @@ def test_serve_prices_put_cost_usd_in_usage() -> None:
     args = build_parser().parse_args(["serve", "--price-large-output", "4", "--price-small-input", "0.05"])
     pricing = serve_pricing(args)
     assert pricing is not None and (pricing.large_output, pricing.small_input, pricing.small_output) == (4.0, 0.05, 0.0)
+    assert pricing.large_cached_input is None  # cached positions pay the input price unless priced
+    cached = serve_pricing(build_parser().parse_args(["serve", "--price-large-cached-input", "0.1"]))
+    assert cached is not None and (cached.large_cached_input, cached.large_input, cached.small_cached_input) == (
+        0.1,
+        0.0,
+        None,
+    )
     assert serve_pricing(build_parser().parse_args(["serve"])) is None
     small, large = pair()
     server = Server(EntropyAdaptiveLLM(small=small, large=large, max_tokens=4, pricing=pricing), MODEL)
