@@ -44,6 +44,41 @@ def multiply(a: int, b: int) -> int:
     return a * b
 
 
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+@tool
+def subtract(a: int, b: int) -> int:
+    """Subtract the second integer from the first."""
+    return a - b
+
+
+@tool
+def divide(a: float, b: float) -> float:
+    """Divide the first number by the second."""
+    return a / b
+
+
+@tool
+def power(base: int, exponent: int) -> int:
+    """Raise an integer to a power."""
+    return base**exponent
+
+
+@tool
+def lookup_price(item: str) -> float:
+    """Look up the price of an item in the shop's catalogue, in dollars."""
+    return {"apple": 0.5, "bread": 2.25}.get(item.lower(), 3.5)
+
+
+def shop_tools() -> list[Any]:
+    """Six tools, as a small shop assistant has: their schemas make a long common start of every prompt."""
+    return [multiply, add, subtract, divide, power, lookup_price]
+
+
 def multiply_numbers(a: int, b: int) -> int:
     """Multiply two integers."""
     return a * b

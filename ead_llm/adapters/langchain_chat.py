@@ -44,6 +44,7 @@ from ead_llm.adapters.pair_model import CALL_OPTIONS, PairModel
 from ead_llm.adapters.prompts import prompt_text, render
 from ead_llm.adapters.structured import check_method, json_schema_of, structured, text_parser, tool_parser
 from ead_llm.adapters.tool_calls import (
+    NO_CALL,
     CallReader,
     InvalidCall,
     ToolCall,
@@ -295,14 +296,17 @@ class ChatEntropyAdaptive(_BindsTools, PairModel, BaseChatModel):
             answer=answer,
             bounds=self.json_bounds,
         )
-        if plan.constraint is not None and self._constraint(kwargs) is not None:
+        own = self._constraint(kwargs) is not None
+        if own and plan.constraint is NO_CALL:  # the caller's own format is already no call
+            return plan
+        if plan.constraint is not None and own:
             raise ValueError("tools or a response_format already constrain the answer: drop json_schema/regex/grammar")
         if plan.constraint is not None:
             kwargs["grammar"] = plan.constraint
         return plan
 
     def _prompt(self, messages: list[BaseMessage], plan: ToolPlan | None = None) -> Prompt:
-        tools, instruction = (plan.tools, plan.instruction()) if plan is not None else (None, None)
+        tools, instruction = (plan.prompt_tools, plan.instruction()) if plan is not None else (None, None)
         return render(
             self.shared_engine.tokenizer, message_dicts(messages), self.resolved_prompt_format, tools, instruction
         )

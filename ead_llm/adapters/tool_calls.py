@@ -10,9 +10,10 @@ format that most open instruct models were trained on::
     </tool_call>
 
 ``tool_choice`` decides the grammar: ``auto`` (the default) leaves the text free and parses any calls
-it contains; ``none`` hides the tools; ``required`` (or LangChain's ``any``) and a named tool constrain
-the whole answer to one or more calls (one for a named tool) whose JSON is valid under the tools'
-parameter schemas, so such a call always parses, whichever model writes its tokens.
+it contains; ``none`` keeps calls out of the answer (the tools stay in the prompt, as with a named tool);
+``required`` (or LangChain's ``any``) and a named tool constrain the whole answer to one or more calls (one
+for a named tool) whose JSON is valid under the tools' parameter schemas, so such a call always parses,
+whichever model writes its tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, closed
 from ead_llm.core.types import TokenEvent
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NO_CALL = Constraint.lark(f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{OPEN}.*)/\n")
+"""Any text without a call block: ``tool_choice="none"`` with the tools in the prompt."""
 MAX_PARALLEL_CALLS = 8
 """Most calls one answer may hold under ``required`` (a bound, so a constrained answer always ends)."""
 
@@ -108,6 +111,15 @@ class ToolPlan:
     constraint: Constraint | None = None
     answer: Constraint | None = None
     """The response format's constraint, when one was asked for."""
+    listed: list[dict[str, Any]] | None = None
+    """The tools the prompt lists where they are more than ``tools`` (None: ``tools``). As OpenAI and vLLM do,
+    ``none`` and a named tool keep every tool in the prompt and only the grammar narrows the answer: each step
+    of an agent loop then starts with the same text, which the prefix cache holds."""
+
+    @property
+    def prompt_tools(self) -> list[dict[str, Any]]:
+        """The tools written into the prompt."""
+        return self.tools if self.listed is None else self.listed
 
     def instruction(self) -> str | None:
         """The system text that tells the model the answer's format (None without a response format)."""
@@ -164,14 +176,14 @@ def plan_tools(
             raise ValueError(f"tool_choice={tool_choice!r} needs tools to choose from")
         return ToolPlan([], "none", parallel, answer, answer)
     offered, mode = chosen_tools(specs, tool_choice)
-    if mode == "none":
-        return ToolPlan([], "none", parallel, answer, answer)
+    if mode == "none":  # the tools stay in the prompt; the grammar keeps calls out of the answer
+        return ToolPlan([], "none", parallel, answer or NO_CALL, answer, listed=specs)
     if mode in ("required", "named") and answer is not None:
         raise ValueError("a required or named tool and a response_format cannot both constrain one answer")
     if mode == "auto" and answer is None:
         return ToolPlan(offered, mode, parallel)
     constraint = tool_constraint(offered, mode, parallel=parallel, answer=answer, bounds=bounds)
-    return ToolPlan(offered, mode, parallel, constraint, answer)
+    return ToolPlan(offered, mode, parallel, constraint, answer, listed=specs if mode == "named" else None)
 
 
 def call_schema(tools: list[dict[str, Any]], bounds: JsonBounds | None = DEFAULT_BOUNDS) -> dict[str, Any]:

@@ -448,7 +448,9 @@ class Server:
                 message["tool_call_id"], message["name"] = m.tool_call_id, m.name
             messages.append(message)
         llm = self.llm
-        return render(llm.shared_engine.tokenizer, messages, llm.resolved_prompt_format, plan.tools, plan.instruction())
+        return render(
+            llm.shared_engine.tokenizer, messages, llm.resolved_prompt_format, plan.prompt_tools, plan.instruction()
+        )
 
     def _tools(self, body: ChatBody) -> ToolPlan:
         """The tools offered, the tool mode, and the constraint (forced calls, the response format, or either)."""

@@ -15,13 +15,22 @@ from hypothesis import strategies as st
 from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
 from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
 from ead_llm.adapters.prompts import render, renders_tools
-from ead_llm.adapters.tool_calls import CallReader, ToolPlan, parse_with_template, read_answer
+from ead_llm.adapters.tool_calls import (
+    NO_CALL,
+    CallReader,
+    ToolPlan,
+    parse_with_template,
+    plan_tools,
+    read_answer,
+)
+from ead_llm.core.grammar import ConstraintViolation, SequenceGrammar
 from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
@@ -129,14 +138,43 @@ def test_parallel_tool_calls_false_allows_one_call(chat: ChatEntropyAdaptive) ->
         assert len(bound.invoke("go", seed=seed, temperature=1.0).tool_calls) == 1
 
 
-def test_tool_choice_none_hides_the_tools(chat: ChatEntropyAdaptive) -> None:
-    prompt = chat._prompt([HumanMessage("hi")], ToolPlan([], "none"))
-    with_tools = chat._prompt(
-        [HumanMessage("hi")], ToolPlan([{"type": "function", "function": {"name": "Add"}}], "auto")
-    )
-    assert prompt != with_tools
-    message = chat.bind_tools([Add], tool_choice="none").invoke("hi")
-    assert message.tool_calls == [] and message.content == chat.invoke("hi").content
+def _accepts(grammar: SequenceGrammar, tokens: list[int]) -> bool:
+    try:
+        for token in tokens:
+            grammar.accept(token, commit=True)
+    except ConstraintViolation:
+        return False
+    return True
+
+
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_and_calls_out_of_the_answer(chat: ChatEntropyAdaptive) -> None:
+    """As OpenAI and vLLM: the prompt lists the tools (each step of an agent loop starts with the same text, for
+    the prefix cache) and the grammar refuses a call block, wherever the model would start one."""
+    tools = [convert_to_openai_tool(Add)]
+    none, auto = plan_tools(tools, "none"), plan_tools(tools, "auto")
+    message = [HumanMessage("hi")]
+    assert chat._prompt(message, none) == chat._prompt(message, auto) != chat._prompt(message, ToolPlan([], "none"))
+    assert none.tools == [] and none.constraint is NO_CALL and none.reader() is None
+    call = chat._call(message, None, {"tools": tools, "tool_choice": "none"})
+    assert call.request.sampling.constraint is NO_CALL
+    tokenizer = chat.shared_engine.tokenizer
+    compiler = chat.shared_engine.grammars
+    for text in ("plain text", "a <tool_call", "<tool_call>", 'x <tool_call>\n{"name": "Add"}', "<tool_call>\n"):
+        allowed = _accepts(compiler.start(NO_CALL, 0), tokenizer.encode(text, add_special_tokens=False))
+        assert allowed == ("<tool_call>" not in text), text
+    answer = chat.bind_tools([Add], tool_choice="none").invoke("hi")
+    assert answer.tool_calls == [] and "<tool_call>" not in str(answer.content)
+    # the caller's own format stands in for the ban (it is no call either)
+    assert chat.bind_tools([Add], tool_choice="none").invoke("hi", regex="[ab]{3}").content in {
+        a + b + c for a in "ab" for b in "ab" for c in "ab"
+    }
+
+
+def test_a_named_tool_keeps_every_tool_in_the_prompt(chat: ChatEntropyAdaptive) -> None:
+    tools = [convert_to_openai_tool(t) for t in (Add, Weather)]
+    named, auto = plan_tools(tools, "Add"), plan_tools(tools, "auto")
+    assert [t["function"]["name"] for t in named.tools] == ["Add"]
+    assert chat._prompt([HumanMessage("hi")], named) == chat._prompt([HumanMessage("hi")], auto)
 
 
 def test_bad_tool_choices_are_refused(chat: ChatEntropyAdaptive) -> None:

@@ -142,7 +142,7 @@ def test_langchain_chat_openai_binds_tools_against_it(url: str) -> None:
     assert [c["name"] for c in message.tool_calls] == ["add"]
     assert set(message.tool_calls[0]["args"]) == {"a", "b"}
     streamed = None
-    for chunk in chat.bind_tools([ADD], tool_choice="add").stream("What is 2 + 3?"):
+    for chunk in chat.bind_tools([ADD, WEATHER], tool_choice="add").stream("What is 2 + 3?"):
         streamed = chunk if streamed is None else streamed + chunk
     assert streamed is not None
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in message.tool_calls]
