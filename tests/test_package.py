@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -27,3 +28,19 @@ def test_every_public_name_resolves() -> None:
     assert api | {"ChatEntropyAdaptive", "Engine", "Request", "SamplingParams", "track_cost"} <= set(ead_llm.__all__)
     for name in ead_llm.__all__:
         assert getattr(ead_llm, name) is not None and name in dir(ead_llm)
+
+
+def test_the_core_never_imports_the_policies() -> None:
+    """``core/`` holds the contract (``core/policy.py``, ``core/types.py``); the families build on it and register
+    themselves, so no module of the core imports ``ead_llm.policies``, whichever is loaded."""
+    import pathlib
+
+    core = pathlib.Path(ead_llm.__file__).parent / "core"
+    modules = sorted(f"ead_llm.core.{p.stem}" for p in core.glob("*.py") if p.stem != "__init__")
+    code = (
+        f"import sys\nimport {', '.join(modules)}\nprint([m for m in sys.modules if m.startswith('ead_llm.policies')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    written = re.compile(r"^\s*(from|import) ead_llm\.policies", re.MULTILINE)  # lazy imports included
+    assert [p.name for p in core.glob("*.py") if written.search(p.read_text())] == []

@@ -41,9 +41,8 @@ from ead_llm.core.sampler import Sampler, SamplingMetadata, stream_key
 from ead_llm.core.scheduler import DONE, WAKE, Call, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
 from ead_llm.core.streams import AsyncEventStream, CompletionBuilder, EventStream, async_inbox
-from ead_llm.core.types import ForwardWork, Role
+from ead_llm.core.types import DraftRound, ForwardWork, Read, Role, RoundVerdict, TokenSample
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import DraftRound, Read, RoundVerdict, TokenSample
 
 logger = logging.getLogger(__name__)
 StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)

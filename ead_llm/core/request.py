@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ead_llm.accounting.ledger import Cost
+from ead_llm.core.policy import Policy, check_policy
 from ead_llm.core.types import FinishReason, Role
 from ead_llm.core.validation import check_float, check_int, check_stop, check_text
-from ead_llm.policies.base import Policy, check_policy
 
 if TYPE_CHECKING:
     from ead_llm.core.grammar import Constraint

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
 from ead_llm.core.output import OutputProcessor
+from ead_llm.core.policy import Decoder
 from ead_llm.core.request import SamplingParams
 from ead_llm.core.sampler import fork_key
 from ead_llm.core.types import (
@@ -28,12 +29,12 @@ from ead_llm.core.types import (
     FinishReason,
     Fork,
     ForwardWork,
+    Read,
     Role,
     Rollback,
     RowFailure,
     TokenEvent,
 )
-from ead_llm.policies.base import Decoder, Read
 
 if TYPE_CHECKING:
     from ead_llm.core.grammar import SequenceGrammar

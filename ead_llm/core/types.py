@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Role(str, Enum):
@@ -82,7 +87,7 @@ class RowFailure:
     error: BaseException
 
 
-# -- what a decoder asks the scheduler to do with a sequence (policies/base.py's Decoder returns them)
+# -- what a decoder asks the scheduler to do with a sequence (core/policy.py's Decoder returns them)
 
 
 @dataclass(frozen=True)
@@ -124,3 +129,66 @@ class Fork:
 
 
 Action = Emit | Draft | Rollback | Fork
+
+
+# -- what a decoder reads of a pass, and what it hands the rejection sampler
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a sequence needs from the next step: logits of ``role`` at its next position, or, with
+    ``verify``, at the position before each of its ``drafts`` and one more."""
+
+    role: Role
+    verify: bool = False
+    drafts: int = 0
+
+    @property
+    def positions(self) -> int:
+        """Positions whose logits the pass returns for this sequence."""
+        return self.drafts + 1 if self.verify else 1
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One sequence's row of a pass, sampled."""
+
+    role: Role
+    token: int
+    """Drawn under the sequence's sampling settings (argmax when greedy)."""
+    entropy: float
+    """Bits, of the raw logits."""
+    logits: torch.Tensor
+    """[V] raw logits (a view into the pass's output; a draft keeps it for its verification)."""
+    top2: tuple[int, int] | None = None
+    """The two most likely tokens, when the decoder asked for branch statistics."""
+    top_k_nats: float | None = None
+    """EAGER's entropy (nats over the renormalised top-k), when asked for."""
+
+
+@dataclass(frozen=True)
+class RoundVerdict:
+    """A speculative round, judged (see :mod:`ead_llm.core.rejection_sampler`)."""
+
+    accepted: int
+    token: int | None
+    """The large model's token that closes the round; None: the round ends with its drafts."""
+    entropy_rejection: bool
+    target_entropy: tuple[float, ...]
+    """Bits of the large model's logits at each verified position."""
+
+
+@dataclass(frozen=True)
+class DraftRound:
+    """What the rejection sampler needs of one sequence's round."""
+
+    tokens: tuple[int, ...]
+    logits: tuple[torch.Tensor, ...]
+    """[V] raw logits each draft was drawn from."""
+    entropies: tuple[float, ...]
+    first_position: int
+    """Position of the first draft in the sequence."""
+    entropy_threshold: float = math.inf
+    top_n: int = 1
+    overlap_threshold: float = 1.0
+    oracle: bool = False

@@ -20,9 +20,9 @@ import hashlib
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
+from ead_llm.core.policy import Policy
 from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import Policy
 from ead_llm.policies.speculative import SpeculativeDecoding
 
 

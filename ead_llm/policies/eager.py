@@ -113,8 +113,8 @@ class EAGER(Policy):
     def advance(self, state: Any, role: Role, entropy: float) -> Any:
         return self.decoder.advance(state, role, entropy)
 
-    def preempt(self, state: Any, role: Role, entropy: float) -> Any | None:
-        return self.decoder.preempt(state, role, entropy)
+    def withhold(self, state: Any, role: Role, entropy: float) -> Any | None:
+        return self.decoder.withhold(state, role, entropy)
 
     def describe(self) -> dict[str, Any]:
         return {

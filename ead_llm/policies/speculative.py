@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ead_llm.core.types import Action, Draft, Emit, Role, Rollback
+from ead_llm.core.policy import Decoder, ForkRoom, Policy, SequenceView
+from ead_llm.core.types import Action, Draft, DraftRound, Emit, Read, Role, Rollback, RoundVerdict, TokenSample
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import Decoder, DraftRound, ForkRoom, Policy, Read, RoundVerdict, SequenceView, TokenSample
 
 if TYPE_CHECKING:
     import torch

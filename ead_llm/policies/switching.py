@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from ead_llm.core.types import Action, Role
+from ead_llm.core.policy import Decoder, ForkRoom, Policy, SequenceView
+from ead_llm.core.types import Action, Read, Role, TokenSample
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.policies.base import Decoder, ForkRoom, Policy, Read, SequenceView, TokenSample
 
 
 @dataclass(frozen=True)
@@ -96,9 +96,9 @@ class EAD(Policy):
         return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
 
     def counters(self) -> tuple[str, ...]:
-        return ("preempted_tokens",) if self.lookahead else ()
+        return ("withheld_tokens",) if self.lookahead else ()
 
-    def preempt(self, state: EADState, role: Role, entropy: float) -> EADState | None:
+    def withhold(self, state: EADState, role: Role, entropy: float) -> EADState | None:
         if not self.lookahead or role is Role.LARGE:
             return None
         after = self.advance(state, role, entropy)  # the decision EAD would take after this token...
@@ -109,7 +109,7 @@ class SwitchingDecoder(Decoder):
     """The switching family (EAD, one-model policies, the switching controls): each token comes from the
     model the policy chooses, and the policy advances on that token's entropy.
 
-    A policy's ``preempt`` (EAD's lookahead) may withhold a sampled token, so that the other model
+    A policy's ``withhold`` (EAD's lookahead) may withhold a sampled token, so that the other model
     writes its position at the next step; the withheld pass's work is billed with that token.
     """
 
@@ -121,16 +121,19 @@ class SwitchingDecoder(Decoder):
         return Read(self.policy.choose(self.state))
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
-        revised = self.policy.preempt(self.state, sample.role, sample.entropy)
+        revised = self.policy.withhold(self.state, sample.role, sample.entropy)
         if revised is not None and self.policy.choose(revised) is not sample.role:
             self.state = revised
             self.withheld += 1
             return []
         self.state = self.policy.advance(self.state, sample.role, sample.entropy)
-        counters = (("preempted_tokens", self.withheld),) if self.withheld else ()
+        counters = (("withheld_tokens", self.withheld),) if self.withheld else ()
         self.withheld = 0
         return [self.emit(sample, counters)]
 
     def copy(self) -> SwitchingDecoder:
         """The same policy state (a branched path continues from here)."""
         return SwitchingDecoder(self.policy, self.state)
+
+
+Policy.default_family = SwitchingDecoder

@@ -147,7 +147,7 @@ def test_lookahead_gives_the_unsure_position_itself_to_the_large_model() -> None
     # the small model's distributions at t3 and t4 are unsure: both tokens are withheld and written by L
     assert "".join("L" if r is Role.LARGE else "S" for r in done.roles) == "SSLLSSS"
     assert done.token_ids[2:4] == (LARGE_TOKEN, LARGE_TOKEN)
-    assert done.cost.extra["preempted_tokens"] == 2 and done.cost.switches == 2
+    assert done.cost.extra["withheld_tokens"] == 2 and done.cost.switches == 2
     # small: prefill, t1, t2, the withheld forward at t3; after L's t3 it reads it and is unsure again
     # (withheld t4); after L's t4 it reads it and goes on
     assert [len(c) for c in small.calls] == [3, 1, 1, 1, 1, 1, 1]

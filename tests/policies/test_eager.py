@@ -178,7 +178,7 @@ def test_counts_are_reported_when_nothing_branched() -> None:
     assert done.paths == 1 and done.cost.extra == {"paths": 1, "branches": 0}
     lookahead = EAGER(theta=1.0, decoder=EAD(threshold=10.0, window=1, min_dwell=1, lookahead=True))
     (done,) = engine.generate([Request([1, 5], lookahead, SamplingParams(max_tokens=4, ignore_eos=True))])
-    assert done.cost.to_dict()["branches"] == 0 and done.cost.to_dict()["preempted_tokens"] == 0
+    assert done.cost.to_dict()["branches"] == 0 and done.cost.to_dict()["withheld_tokens"] == 0
 
 
 def test_plain_text_paths_vote_by_default(pair) -> None:

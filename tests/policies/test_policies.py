@@ -117,13 +117,13 @@ def test_positional_threshold_and_description() -> None:
 def test_lookahead_takes_the_same_decision_one_token_earlier() -> None:
     policy = EAD(threshold=1.0, window=2, min_dwell=2, lookahead=True)
     state = policy.start()
-    assert policy.preempt(state, Role.SMALL, 5.0) is None  # dwell not reached: emit
+    assert policy.withhold(state, Role.SMALL, 5.0) is None  # dwell not reached: emit
     state = policy.advance(state, Role.SMALL, 0.0)
-    assert policy.preempt(state, Role.SMALL, 0.5) is None  # window mean 0.25: emit
-    revised = policy.preempt(state, Role.SMALL, 3.0)  # mean 1.5 > 1 after 2 tokens: withhold
+    assert policy.withhold(state, Role.SMALL, 0.5) is None  # window mean 0.25: emit
+    revised = policy.withhold(state, Role.SMALL, 3.0)  # mean 1.5 > 1 after 2 tokens: withhold
     assert revised == policy.advance(state, Role.SMALL, 3.0) and policy.choose(revised) is Role.LARGE
     large = policy.advance(policy.advance(revised, Role.LARGE, 0.0), Role.LARGE, 0.0)
-    assert policy.preempt(large, Role.LARGE, 9.0) is None  # the large model's tokens are never withheld
-    assert EAD(threshold=1.0, window=1, min_dwell=0).preempt(EAD().start(), Role.SMALL, 9.0) is None
+    assert policy.withhold(large, Role.LARGE, 9.0) is None  # the large model's tokens are never withheld
+    assert EAD(threshold=1.0, window=1, min_dwell=0).withhold(EAD().start(), Role.SMALL, 9.0) is None
     for other in (SmallOnly(), LargeOnly()):
-        assert other.preempt(other.start(), Role.SMALL, 9.0) is None
+        assert other.withhold(other.start(), Role.SMALL, 9.0) is None

@@ -73,7 +73,7 @@ def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     assert "completion_tokens" in out and "parameter_ratio" in out
     assert main(["demo", "--problems", "2", "--lookahead"]) == 0
     out = capsys.readouterr().out
-    assert "lookahead=True" in out and "preempted_tokens" in out
+    assert "lookahead=True" in out and "withheld_tokens" in out
 
 
 @pytest.mark.parametrize(
