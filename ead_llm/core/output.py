@@ -13,7 +13,9 @@ from typing import Any, Protocol
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class Decoder(Protocol):
+class TextDecoder(Protocol):
+    """What the detokenizer needs of a tokenizer (not a policy's decoder)."""
+
     def decode(
         self,
         token_ids: list[int],
@@ -31,7 +33,7 @@ class IncrementalDetokenizer:
     it no longer ends in an incomplete character.
     """
 
-    def __init__(self, tokenizer: Decoder, context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: TextDecoder, context: Sequence[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = list(context[-6:])
         self._prefix = 0
@@ -129,7 +131,7 @@ class StopMatcher:
 class OutputProcessor:
     """One sequence's text: incremental detokenization, then stop strings."""
 
-    def __init__(self, tokenizer: Decoder, context: Sequence[int], stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: TextDecoder, context: Sequence[int], stops: Sequence[str]) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, context)
         self._stops = StopMatcher(stops)
 

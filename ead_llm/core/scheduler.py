@@ -115,10 +115,6 @@ class Sequence:
     grammar: SequenceGrammar | None = None
     """Its constraint's state (follows ``tokens``), when the request has one."""
 
-    @property
-    def max_tokens(self) -> int:
-        return self.params.max_tokens
-
     def is_end(self, token: int) -> bool:
         return token in self.eos and not self.params.ignore_eos
 

@@ -17,9 +17,6 @@ class Role(str, Enum):
     SMALL = "small"
     LARGE = "large"
 
-    def other(self) -> Role:
-        return Role.LARGE if self is Role.SMALL else Role.SMALL
-
     @property
     def letter(self) -> str:
         """``S`` or ``L``: how the adapters mark which model wrote a token."""
