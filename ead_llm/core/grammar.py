@@ -32,6 +32,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from ead_llm.core.types import DraftRound
+
 ConstraintKind = Literal["json_schema", "json_object", "regex", "lark"]
 _KINDS = ("json_schema", "json_object", "regex", "lark")
 
@@ -333,6 +335,39 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set ``logits`` ``[N, V]`` to ``-inf`` where ``bitmask`` ``[N, W]`` forbids a token (in place; allowed
     logits are unchanged bit for bit). Little-endian byte order, as llguidance and xgrammar write."""
     logits.add_(mask_bias(bitmask, logits.shape[-1], logits.device))
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Rows ``rows`` of ``logits`` ``[N, ..., V]`` lose the tokens ``bitmask`` ``[len(rows), ..., W]`` forbids, in
+    place (a pass's constrained rows; a verification's rounds, position by position)."""
+    vocab, words = logits.shape[-1], bitmask.shape[-1]
+    if rows == list(range(logits.shape[0])):
+        apply_bitmask(logits.view(-1, vocab), bitmask.reshape(-1, words))
+        return
+    index = torch.tensor(rows, device=logits.device)
+    part = logits.index_select(0, index)
+    apply_bitmask(part.view(-1, vocab), bitmask.reshape(-1, words))
+    logits.index_copy_(0, index, part)
+
+
+def round_masks(
+    grammars: list[SequenceGrammar], rounds: list[DraftRound], now: torch.Tensor, width: int
+) -> tuple[torch.Tensor, list[int]]:
+    """``[R, width, W]`` masks of verification rounds: at each draft, the mask it was drawn under (kept by its
+    grammar), then ``now`` ``[R, W]`` (where each grammar stands); and the rounds whose kept masks are missing
+    (they cannot be verified; their rows allow everything and must not be read)."""
+    bitmask = torch.full((len(rounds), width, now.shape[1]), -1, dtype=torch.int32)
+    missing = []
+    for j, (grammar, round_) in enumerate(zip(grammars, rounds, strict=True)):
+        drafts = len(round_.tokens)
+        kept = [grammar.mask_at(round_.first_position + d) for d in range(drafts)]
+        if any(mask is None for mask in kept):
+            missing.append(j)
+            continue
+        if kept:
+            bitmask[j, :drafts] = torch.stack(kept)  # type: ignore[arg-type]
+        bitmask[j, drafts:] = now[j]
+    return bitmask, missing
 
 
 SUPPORTED_TOKENIZERS = (

@@ -21,11 +21,16 @@ without one. Uniforms come from :func:`ead_llm.core.sampler.uniforms`, keyed by 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ead_llm.core.ops import entropy_bits, filtered_probs
 from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, uniforms
+from ead_llm.core.types import DraftRound, RoundVerdict
+
+if TYPE_CHECKING:
+    from ead_llm.core.request import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -182,3 +187,77 @@ def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) 
         any_top_p=batch.any_top_p,
     )
     return flat.view(rounds, width, vocab)
+
+
+def verify_batch(
+    params: list[SamplingParams], keys: list[int], rounds: list[DraftRound], target: torch.Tensor, gamma: int
+) -> VerifyBatch:
+    """The input of :func:`verify` for ``rounds`` (each sequence's sampling ``params`` and sample-stream ``keys``),
+    padded to ``gamma`` drafts, with the large model's logits ``target`` ``[R, G+1, V]``."""
+    vocab, device = target.shape[-1], target.device
+    filler = torch.zeros(vocab, device=device)
+    draft_logits = (
+        torch.stack([torch.stack([*r.logits, *[filler] * (gamma - len(r.tokens))]) for r in rounds])
+        if gamma
+        else torch.zeros((len(rounds), 0, vocab), device=device)
+    )
+    sampled = [p for p in params if p.temperature > 0]
+
+    def column(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def padded(values: list[tuple[Any, ...]], fill: Any) -> list[list[Any]]:
+        return [[*v, *[fill] * (gamma - len(v))] for v in values]
+
+    entropy_rule = [r for r in rounds if r.entropy_threshold != float("inf")]
+    return VerifyBatch(
+        draft_tokens=column(padded([r.tokens for r in rounds], 0), torch.long).reshape(len(rounds), gamma),
+        num_drafts=column([len(r.tokens) for r in rounds], torch.long),
+        draft_logits=draft_logits,
+        draft_entropy=column(padded([r.entropies for r in rounds], 0.0), torch.float32).reshape(len(rounds), gamma),
+        target_logits=target,
+        temperature=column([p.temperature for p in params], torch.float32),
+        top_k=column([p.top_k for p in params], torch.long),
+        top_p=column([p.top_p for p in params], torch.float32),
+        keys=column(keys, torch.long),
+        positions=column([r.first_position for r in rounds], torch.long),
+        entropy_threshold=column([r.entropy_threshold for r in rounds], torch.float32),
+        top_n=column([r.top_n for r in rounds], torch.long),
+        overlap_threshold=column([r.overlap_threshold for r in rounds], torch.float32),
+        oracle=column([r.oracle for r in rounds], torch.bool),
+        max_top_k=max((p.top_k for p in sampled), default=0),
+        any_top_p=any(p.top_p < 1.0 for p in sampled),
+        max_top_n=max((r.top_n for r in entropy_rule), default=1),
+        any_sampled=bool(sampled),
+        any_entropy_rule=bool(entropy_rule),
+    )
+
+
+@dataclass(frozen=True)
+class JudgedRounds:
+    """Verified rows of one pass, on the device until the pass's one host sync."""
+
+    rows: list[int]
+    """The pass's row of each."""
+    verdict: VerifyOutput
+
+    def columns(self) -> list[torch.Tensor]:
+        v = self.verdict
+        return [v.accepted, v.token, v.entropy_rejection, v.target_entropy]
+
+    def results(self, host: list[list[float]]) -> list[tuple[int, RoundVerdict]]:
+        """Each row's :class:`RoundVerdict`, from :meth:`columns` on the host."""
+        accepted, token, rejected, entropy = host
+        width = self.verdict.target_entropy.shape[1]
+        return [
+            (
+                row,
+                RoundVerdict(
+                    accepted=int(accepted[j]),
+                    token=None if token[j] < 0 else int(token[j]),
+                    entropy_rejection=bool(rejected[j]),
+                    target_entropy=tuple(entropy[j * width : (j + 1) * width]),
+                ),
+            )
+            for j, row in enumerate(self.rows)
+        ]

@@ -16,10 +16,12 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
-from ead_llm.core.ops import apply_temperature, candidate_width, entropy_bits, kept_floor
+from ead_llm.core.ops import apply_temperature, candidate_width, entropy_bits, kept_floor, top_k_entropy_nats
+from ead_llm.core.types import Role, TokenSample
 
 CHUNK = 1024
 """Inverse-CDF draws over a whole vocabulary find the chunk of this many tokens first, then the token."""
@@ -220,3 +222,79 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: [B, V] float32 raw logits of the producing model."""
         return SamplerOutput(tokens=sample(logits, meta), entropy_bits=entropy_bits(logits))
+
+
+@dataclass(frozen=True)
+class SampledRows:
+    """Sampled rows of one pass, on the device until the pass's one host sync."""
+
+    role: Role
+    rows: list[int]
+    """The pass's row of each."""
+    logits: torch.Tensor
+    """[b, V] their (masked) logits: a draft keeps its row for its verification."""
+    tokens: torch.Tensor
+    """[b] int64."""
+    entropy: torch.Tensor
+    """[b] float32 bits."""
+    branch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """Top-1 and top-2 tokens and EAGER's entropy (nats over each row's top-k), ``[b]`` each, when asked for."""
+
+    def columns(self) -> list[torch.Tensor]:
+        return [self.tokens, self.entropy, *(self.branch or ())]
+
+    def results(self, host: list[list[float]]) -> list[tuple[int, TokenSample]]:
+        """Each row's :class:`TokenSample`, from :meth:`columns` on the host."""
+        tokens, entropies, *branch = host
+        return [
+            (
+                row,
+                TokenSample(
+                    role=self.role,
+                    token=int(tokens[j]),
+                    entropy=entropies[j],
+                    logits=self.logits[j],
+                    top2=(int(branch[0][j]), int(branch[1][j])) if branch else None,
+                    top_k_nats=branch[2][j] if branch else None,
+                ),
+            )
+            for j, row in enumerate(self.rows)
+        ]
+
+
+class DeviceResults(Protocol):
+    """A pass's results on the device (:class:`SampledRows`, the rejection sampler's ``JudgedRounds``)."""
+
+    def columns(self) -> list[torch.Tensor]: ...
+
+    def results(self, host: list[list[float]]) -> list[tuple[int, Any]]: ...
+
+
+def to_host(parts: Sequence[DeviceResults]) -> list[tuple[int, Any]]:
+    """Every part's ``(pass row, result)``, with all their columns brought to the host in one transfer (the pass's
+    one sync), in row order."""
+    columns = [column for part in parts for column in part.columns()]
+    if not columns:
+        return []
+    flat = torch.cat([c.reshape(-1).to(torch.float64) for c in columns]).tolist()
+    host, at = [], 0
+    for column in columns:
+        host.append(flat[at : at + column.numel()])
+        at += column.numel()
+    results, first = [], 0
+    for part in parts:
+        count = len(part.columns())
+        results.extend(part.results(host[first : first + count]))
+        first += count
+    return sorted(results, key=lambda item: item[0])
+
+
+def branch_entropy(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    """EAGER's entropy of each row of ``logits`` ``[B, V]``: nats over its ``top_ks`` most likely tokens -> ``[B]``."""
+    if len(set(top_ks)) == 1:
+        return top_k_entropy_nats(logits, top_ks[0])
+    out = torch.empty(len(top_ks), device=logits.device)
+    for k in set(top_ks):
+        index = torch.tensor([b for b, v in enumerate(top_ks) if v == k], device=logits.device)
+        out[index] = top_k_entropy_nats(logits[index], k)
+    return out

@@ -124,6 +124,22 @@ class Sequence:
         return self.call.live(self.index)
 
 
+@dataclass(frozen=True)
+class PassPlan:
+    """One model's pass in a step: the sequences that run (in this order, one row each) and what each reads."""
+
+    role: Role
+    seqs: list[Sequence]
+    reads: list[Read]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What runs in one step: a pass per model that has rows, the large model's first."""
+
+    passes: list[PassPlan]
+
+
 class Scheduler:
     """See the module docstring. Callers' threads touch only ``waiting`` and call flags, under the
     engine's lock; everything else runs on the scheduler thread."""
@@ -198,7 +214,7 @@ class Scheduler:
 
     # -- one step (the scheduler thread) ----------------------------------------------------------
 
-    def schedule(self) -> list[tuple[Role, list[tuple[Sequence, Read]]]]:
+    def schedule(self) -> SchedulerOutput:
         """What runs this step: per model (large first), its rows and what each reads."""
         reads: list[tuple[Sequence, Read]] = []
         for seq in list(self.running):
@@ -212,9 +228,12 @@ class Scheduler:
                 continue
             if self._reserve(seq, read.role):
                 passes.setdefault(read.role, []).append((seq, read))
-        for role, rows in passes.items():
-            passes[role] = [(seq, read) for seq, read in rows if seq in self.running]
-        return [(role, passes[role]) for role in (Role.LARGE, Role.SMALL) if passes.get(role)]
+        plans = []
+        for role in (Role.LARGE, Role.SMALL):
+            rows = [(seq, read) for seq, read in passes.get(role, []) if seq in self.running]
+            if rows:
+                plans.append(PassPlan(role, [seq for seq, _ in rows], [read for _, read in rows]))
+        return SchedulerOutput(plans)
 
     def _reserve(self, seq: Sequence, role: Role) -> bool:
         """Blocks for ``seq``'s tokens in ``role``'s cache, preempting newer sequences while it lacks

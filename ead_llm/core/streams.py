@@ -25,7 +25,7 @@ from ead_llm.core.scheduler import DONE, WAKE, Call
 from ead_llm.core.types import RowFailure, TokenEvent
 
 if TYPE_CHECKING:
-    from ead_llm.core.engine import Engine
+    from ead_llm.core.frontend import Frontend
     from ead_llm.core.loading import ModelInfo
 
 _END = object()
@@ -43,7 +43,7 @@ class _Events:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Frontend,
         call: Call,
         processors: dict[int, OutputProcessor],
         timeout_s: float | None,
@@ -142,7 +142,7 @@ class AsyncEventStream(_Events, AsyncIterator[TokenEvent]):
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Frontend,
         call: Call,
         processors: dict[int, OutputProcessor],
         timeout_s: float | None,

@@ -1,0 +1,213 @@
+"""How callers reach the engine: requests in (checked and encoded before anything is queued), events out as a
+sync or an async stream, or whole completions (the one result type, billed by the ledger as events arrive).
+
+:class:`Frontend` is the engine's caller side; :class:`~ead_llm.core.engine.Engine` adds the step and the
+scheduler thread that runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Literal, TypeVar, overload
+
+from ead_llm.accounting.ledger import Pricing
+from ead_llm.core.inputs import InputProcessor, check_requests
+from ead_llm.core.loading import ModelPair
+from ead_llm.core.output import OutputProcessor
+from ead_llm.core.request import Completion, Request
+from ead_llm.core.scheduler import WAKE, Call, Scheduler
+from ead_llm.core.scheduler import Sequence as Seq
+from ead_llm.core.streams import AsyncEventStream, CompletionBuilder, EventStream, async_inbox
+from ead_llm.core.validation import check_float
+
+StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)
+
+
+class Frontend:
+    """The caller side of an engine: streams, completions, and the queueing of checked sequences."""
+
+    pair: ModelPair
+    inputs: InputProcessor
+    scheduler: Scheduler
+    kv_budget_tokens: int | None
+    kv_block_size: int
+    _cond: threading.Condition
+
+    def _ensure_thread(self) -> None:
+        """Start the thread that runs the steps, if none runs (call with the lock held)."""
+        raise NotImplementedError
+
+    def _cancel(self, call: Call) -> None:
+        with self._cond:
+            call.cancelled = True
+            self._cond.notify()
+        call.put(WAKE)
+
+    def _fail_row(self, call: Call, index: int, exc: BaseException) -> None:
+        """Request ``index`` failed on the caller's side (its text): the scheduler drops it at its next step."""
+        with self._cond:
+            if call.live(index):
+                call.failed[index] = exc
+            self._cond.notify()
+
+    def stream(
+        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
+    ) -> EventStream:
+        """Queue ``requests`` and return their events as they come (one per generated token).
+
+        Everything is checked (and prompts encoded) here, before anything is queued: a bad request
+        raises now, not when the stream is first read. ``timeout_s`` counts seconds from this call,
+        waiting included. A request that fails raises from the stream and cancels the rest; with
+        ``isolate`` it is recorded in ``stream.failures`` and the others go on.
+        """
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        return self._open(EventStream(self, call, processors, timeout_s, isolate=isolate), call, sequences)
+
+    def astream(
+        self,
+        requests: Sequence[Request],
+        timeout_s: float | None = None,
+        *,
+        isolate: bool = False,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> AsyncEventStream:
+        """:meth:`stream` for async callers: the stream is read on ``loop`` (default: the running one) with no
+        thread per item, and cancelling the task that awaits it cancels the requests within one step."""
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        inbox = async_inbox(call, loop or asyncio.get_running_loop())
+        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
+        return self._open(stream, call, sequences)
+
+    async def asubmit(
+        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
+    ) -> AsyncEventStream:
+        """:meth:`astream` with the checking and encoding (tokenizers, grammars) done in a worker thread, so the
+        event loop stays free; a bad request raises here. Cancelled while submitting, the requests are cancelled
+        as soon as they are queued (they are retired at the end of the step running then)."""
+        loop = asyncio.get_running_loop()
+        work = asyncio.ensure_future(asyncio.to_thread(self.astream, requests, timeout_s, isolate=isolate, loop=loop))
+        try:
+            return await asyncio.shield(work)
+        except asyncio.CancelledError:
+            work.add_done_callback(_close_submitted)  # queued after all: cancel it as soon as it is
+            raise
+
+    def _submit(
+        self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool
+    ) -> tuple[Call, list[Seq], dict[int, OutputProcessor]]:
+        """A call for ``requests``, its sequences (checked and encoded, not queued) and the caller-side
+        detokenizers."""
+        check_requests(requests)
+        if timeout_s is not None:
+            check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
+        call = Call(fail_fast=not isolate)
+        sequences = [
+            self.inputs.sequence(call, i, r, self.kv_budget_tokens, self.kv_block_size) for i, r in enumerate(requests)
+        ]
+        processors = {
+            seq.index: OutputProcessor(self.pair.tokenizer, seq.tokens, ()) for seq in sequences if seq.output is None
+        }
+        return call, sequences, processors
+
+    def _open(self, stream: StreamT, call: Call, sequences: list[Seq]) -> StreamT:
+        """Queue the call's sequences (the stream is already made, so nothing is missed)."""
+        if not sequences:
+            stream._done = True
+            return stream
+        call.open = {seq.index: 1 for seq in sequences}
+        with self._cond:
+            self.scheduler.waiting.extend(sequences)
+            self._ensure_thread()
+            self._cond.notify()
+        return stream
+
+    # -- the one result type -----------------------------------------------------------------------
+
+    @overload
+    def generate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+
+    @overload
+    def generate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[Completion | BaseException]: ...
+
+    def generate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
+        """Run requests to completion and return one :class:`Completion` per request, in order.
+
+        A request that fails raises (the others are cancelled); with ``return_exceptions`` its error takes
+        its place in the list and the others finish as they would alone. With ``timeout_s``, a call still
+        running after that many seconds raises ``TimeoutError``; its sequences' caches are freed.
+        """
+        builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
+        stream = self.stream(requests, timeout_s, isolate=return_exceptions)
+        try:
+            for event in stream:
+                builder.record(event)
+        finally:
+            stream.close()
+        return builder.results(stream.failures)
+
+    @overload
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[False] = False,
+    ) -> list[Completion]: ...
+
+    @overload
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: Literal[True],
+    ) -> list[Completion | BaseException]: ...
+
+    async def agenerate(
+        self,
+        requests: Sequence[Request],
+        pricing: Pricing | None = None,
+        timeout_s: float | None = None,
+        *,
+        return_exceptions: bool = False,
+    ) -> list[Completion] | list[Completion | BaseException]:
+        """:meth:`generate` for async callers: cancelling the awaiting task (``asyncio.wait_for``, a client that
+        left) stops the requests within one engine step and frees their caches."""
+        builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
+        stream = await self.asubmit(requests, timeout_s, isolate=return_exceptions)
+        try:
+            async for event in stream:
+                builder.record(event)
+        finally:
+            stream.close()
+        return builder.results(stream.failures)
+
+
+def _close_submitted(work: asyncio.Future[AsyncEventStream]) -> None:
+    if not work.cancelled() and work.exception() is None:
+        work.result().close()
