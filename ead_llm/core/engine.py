@@ -2,16 +2,16 @@
 
 A scheduler thread runs the step loop for all callers at once. One step::
 
-    passes = scheduler.schedule()                # per model: which rows run, what each reads
-    for role, rows in passes:                    # one packed pass per model
-        out = runners[role].execute(rows)        # logits only at the positions read: [N, V]
-        results = sample(out)                    # sampler + rejection sampler, one host sync
-        for seq, result in results:
+    for plan in scheduler.schedule().passes:     # per model: which rows run, what each reads
+        out = runners[plan.role].execute(rows)   # logits only at the positions read: [N, V]
+        parts = sample(out) + verify(out)        # sampler and rejection sampler, on the device
+        for seq, result in to_host(parts):       # the pass's one host sync
             scheduler.apply(seq, seq.decoder.on_...(seq, result))   # Emit / Draft / Rollback / Fork
     publish(scheduler.finish_step())             # retire, then events to their callers
 
-Callers get one :class:`TokenEvent` per emitted token through an :class:`EventStream`; text,
-stop strings, the ledger and the framework adapters all consume that one stream.
+What callers touch (requests in, events out, settings) is :class:`~ead_llm.core.frontend.Frontend`; prompts become
+sequences in :mod:`ead_llm.core.inputs`. Callers get one :class:`TokenEvent` per emitted token through an
+:class:`EventStream`; text, stop strings, the ledger and the framework adapters all consume that one stream.
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from typing import Any
 import torch
 
 from ead_llm.core.frontend import Frontend
-from ead_llm.core.grammar import GrammarCompiler, mask_rows, round_masks
 from ead_llm.core.inputs import InputProcessor
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
 from ead_llm.core.ops import entropy_bits, top_two
 from ead_llm.core.rejection_sampler import JudgedRounds, verify, verify_batch
-from ead_llm.core.request import Prompt, Request
 from ead_llm.core.sampler import DeviceResults, SampledRows, Sampler, SamplingMetadata, branch_entropy, to_host
 from ead_llm.core.scheduler import DONE, PassPlan, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
@@ -125,29 +123,6 @@ class Engine(Frontend):
         """The engine is a shared resource: copying an object that holds it never clones the weights."""
         return self
 
-    @property
-    def faults(self) -> dict[str, int]:
-        """Passes retried in smaller batches, and requests failed by a fault (not cancelled), so far."""
-        return {
-            "retried_passes": sum(runner.retried_passes for runner in self.runners.values()),
-            "failed_requests": self.scheduler.failed_requests,
-        }
-
-    # -- prompts ---------------------------------------------------------------------------------
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (see :meth:`InputProcessor.encode`)."""
-        return self.inputs.encode(prompt)
-
-    def prompt_ids(self, request: Request) -> list[int]:
-        """The token ids a request decodes from (see :meth:`InputProcessor.prompt_ids`)."""
-        return self.inputs.prompt_ids(request)
-
-    @property
-    def grammars(self) -> GrammarCompiler:
-        """The tokenizer's grammar machinery."""
-        return self.inputs.grammars
-
     def _ensure_thread(self) -> None:
         """Start the scheduler thread if none runs (call with the lock held); a thread still stopping
         from ``close()`` is waited for first, so that two never run passes on the same models."""
@@ -163,51 +138,6 @@ class Engine(Frontend):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(self._stop,), name="ead-llm-engine", daemon=True)
         self._thread.start()
-
-    @property
-    def prefix_caching(self) -> bool:
-        """Whether requests reuse the KV blocks of prompts and answers seen before (automatic prefix caching)."""
-        return self.scheduler.prefix_caching
-
-    @prefix_caching.setter
-    def prefix_caching(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise ValueError(f"prefix_caching must be True or False, got {on!r}")
-        with self._cond:
-            if self.scheduler.prefix_caching and not on:
-                for cache in self.caches.values():
-                    cache.drop_prefix_cache()
-                    cache.trim()  # an idle cache gives its storage back
-            self.scheduler.prefix_caching = on
-
-    def set_limits(
-        self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None
-    ) -> None:
-        """Change the scheduler's limits (``None`` keeps one). Only while nothing runs or waits."""
-        if max_batch is not None:
-            check_int("max_batch", max_batch, minimum=1)
-        if kv_budget_tokens is not None:
-            check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
-        if kv_block_size is not None:
-            check_int("kv_block_size", kv_block_size, minimum=1)
-        with self._cond:
-            new = (
-                max_batch in (None, self.max_batch)
-                and kv_budget_tokens in (None, self.kv_budget_tokens)
-                and kv_block_size in (None, self.kv_block_size)
-            )
-            if new:
-                return
-            if self.scheduler.running or self.scheduler.waiting:
-                raise RuntimeError("the engine's limits can only change while it is idle")
-            self.max_batch = max_batch or self.max_batch
-            self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else self.kv_budget_tokens
-            self.kv_block_size = kv_block_size or self.kv_block_size
-            self.caches = self._caches()
-            for role, runner in self.runners.items():
-                runner.cache = self.caches[role]
-            self.scheduler.caches = self.caches
-            self.scheduler.max_batch = self.max_batch
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Stop the scheduler thread (failing whatever runs or waits); called at interpreter exit.
@@ -228,16 +158,6 @@ class Engine(Frontend):
             logger.warning("the ead-llm scheduler thread is still in a pass; it stops after it")
             return False
         return True
-
-    @property
-    def load(self) -> dict[str, int]:
-        """Sequences running and waiting, and the KV positions held (in blocks, both models)."""
-        with self._cond:
-            return {
-                "running": len(self.scheduler.running),
-                "waiting": len(self.scheduler.waiting),
-                "reserved_kv": self.scheduler.kv_tokens,
-            }
 
     # -- the scheduler thread --------------------------------------------------------------------
 
@@ -356,7 +276,8 @@ class Engine(Frontend):
         logits = out.last_rows(rows)  # [B, V], in the order of rows
         chosen = [seqs[i] for i in rows]
         raw = entropy_bits(logits) if not self.entropy_after_mask and any(s.grammar for s in chosen) else None
-        self._constrain(logits, chosen)
+        for b, error in self.grammars.constrain(logits, [q.grammar for q in chosen]).items():
+            self.scheduler.fail(chosen[b], error)
         at = {row: b for b, row in enumerate(rows)}
 
         def run(part: list[int]) -> SampledRows:
@@ -376,21 +297,6 @@ class Engine(Frontend):
 
         return self._per_row(seqs, rows, run)
 
-    def _masks(self, seqs: list[Seq]) -> torch.Tensor:
-        """``[N, W]`` bitmasks of the next token of ``seqs`` (all constrained); a row whose grammar fails fails its
-        request (its row of the mask allows everything: nothing reads it)."""
-        bitmask, failures = self.grammars.masks([seq.grammar for seq in seqs])  # type: ignore[misc]
-        for j, exc in failures.items():
-            self.scheduler.fail(seqs[j], exc)
-        return bitmask
-
-    def _constrain(self, logits: torch.Tensor, seqs: list[Seq]) -> None:
-        """Constrained rows of ``logits`` ``[N, V]`` lose the tokens their grammar forbids (in place), before
-        anything reads them: sampling, entropy (so EAD sees the uncertainty among allowed tokens) and drafts."""
-        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
-        if rows:
-            mask_rows(logits, rows, self._masks([seqs[i] for i in rows]))
-
     def _verify(self, seqs: list[Seq], out: RunnerOutput, rows: list[int]) -> list[DeviceResults]:
         """The rejection sampler over ``rows``' rounds, the large model's logits under the drafts' masks."""
         rounds: dict[int, DraftRound] = {}
@@ -404,18 +310,9 @@ class Engine(Frontend):
             return []
         gamma = max(len(rounds[i].tokens) for i in live)
         target = out.padded_rows(live, gamma + 1)  # [R, G+1, V], in the order of live
-        constrained = [j for j, i in enumerate(live) if seqs[i].grammar is not None]
-        if constrained:
-            them = [seqs[live[j]] for j in constrained]
-            bitmask, missing = round_masks(
-                [q.grammar for q in them],  # type: ignore[misc]
-                [rounds[live[j]] for j in constrained],
-                self._masks(them),
-                gamma + 1,
-            )
-            for j in missing:
-                self.scheduler.fail(them[j], RuntimeError("no grammar mask kept for a draft of its round"))
-            mask_rows(target, constrained, bitmask)
+        grammars = [seqs[i].grammar for i in live]
+        for j, error in self.grammars.constrain_rounds(target, grammars, [rounds[i] for i in live]).items():
+            self.scheduler.fail(seqs[live[j]], error)
         at = {row: j for j, row in enumerate(live)}
 
         def run(part: list[int]) -> JudgedRounds:

@@ -13,14 +13,18 @@ from collections.abc import Sequence
 from typing import Literal, TypeVar, overload
 
 from ead_llm.accounting.ledger import Pricing
+from ead_llm.core.grammar import GrammarCompiler
 from ead_llm.core.inputs import InputProcessor, check_requests
+from ead_llm.core.kv_cache import KVCache
 from ead_llm.core.loading import ModelPair
+from ead_llm.core.model_runner import ModelRunner
 from ead_llm.core.output import OutputProcessor
-from ead_llm.core.request import Completion, Request
+from ead_llm.core.request import Completion, Prompt, Request
 from ead_llm.core.scheduler import WAKE, Call, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
 from ead_llm.core.streams import AsyncEventStream, CompletionBuilder, EventStream, async_inbox
-from ead_llm.core.validation import check_float
+from ead_llm.core.types import Role
+from ead_llm.core.validation import check_float, check_int
 
 StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)
 
@@ -31,6 +35,9 @@ class Frontend:
     pair: ModelPair
     inputs: InputProcessor
     scheduler: Scheduler
+    runners: dict[Role, ModelRunner]
+    caches: dict[Role, KVCache]
+    max_batch: int
     kv_budget_tokens: int | None
     kv_block_size: int
     _cond: threading.Condition
@@ -38,6 +45,90 @@ class Frontend:
     def _ensure_thread(self) -> None:
         """Start the thread that runs the steps, if none runs (call with the lock held)."""
         raise NotImplementedError
+
+    def _caches(self) -> dict[Role, KVCache]:
+        """Each model's KV cache, built for the current limits."""
+        raise NotImplementedError
+
+    # -- settings, and what callers read ---------------------------------------------------------
+
+    @property
+    def faults(self) -> dict[str, int]:
+        """Passes retried in smaller batches, and requests failed by a fault (not cancelled), so far."""
+        return {
+            "retried_passes": sum(runner.retried_passes for runner in self.runners.values()),
+            "failed_requests": self.scheduler.failed_requests,
+        }
+
+    @property
+    def load(self) -> dict[str, int]:
+        """Sequences running and waiting, and the KV positions held (in blocks, both models)."""
+        with self._cond:
+            return {
+                "running": len(self.scheduler.running),
+                "waiting": len(self.scheduler.waiting),
+                "reserved_kv": self.scheduler.kv_tokens,
+            }
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether requests reuse the KV blocks of prompts and answers seen before (automatic prefix caching)."""
+        return self.scheduler.prefix_caching
+
+    @prefix_caching.setter
+    def prefix_caching(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ValueError(f"prefix_caching must be True or False, got {on!r}")
+        with self._cond:
+            if self.scheduler.prefix_caching and not on:
+                for cache in self.caches.values():
+                    cache.drop_prefix_cache()
+                    cache.trim()  # an idle cache gives its storage back
+            self.scheduler.prefix_caching = on
+
+    def set_limits(
+        self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None
+    ) -> None:
+        """Change the scheduler's limits (``None`` keeps one). Only while nothing runs or waits."""
+        if max_batch is not None:
+            check_int("max_batch", max_batch, minimum=1)
+        if kv_budget_tokens is not None:
+            check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
+        if kv_block_size is not None:
+            check_int("kv_block_size", kv_block_size, minimum=1)
+        with self._cond:
+            new = (
+                max_batch in (None, self.max_batch)
+                and kv_budget_tokens in (None, self.kv_budget_tokens)
+                and kv_block_size in (None, self.kv_block_size)
+            )
+            if new:
+                return
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("the engine's limits can only change while it is idle")
+            self.max_batch = max_batch or self.max_batch
+            self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else self.kv_budget_tokens
+            self.kv_block_size = kv_block_size or self.kv_block_size
+            self.caches = self._caches()
+            for role, runner in self.runners.items():
+                runner.cache = self.caches[role]
+            self.scheduler.caches = self.caches
+            self.scheduler.max_batch = self.max_batch
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (see :meth:`InputProcessor.encode`)."""
+        return self.inputs.encode(prompt)
+
+    def prompt_ids(self, request: Request) -> list[int]:
+        """The token ids a request decodes from (see :meth:`InputProcessor.prompt_ids`)."""
+        return self.inputs.prompt_ids(request)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The tokenizer's grammar machinery."""
+        return self.inputs.grammars
+
+    # -- requests in, events out ------------------------------------------------------------------
 
     def _cancel(self, call: Call) -> None:
         with self._cond:

@@ -441,6 +441,37 @@ class GrammarCompiler:
             raise ValueError(f"the {constraint.kind.replace('_', ' ')} constraint cannot start: {failed[0]}")
         return grammar
 
+    def constrain(self, logits: torch.Tensor, grammars: list[SequenceGrammar | None]) -> dict[int, Exception]:
+        """Rows of ``logits`` ``[N, V]`` with a grammar lose the tokens it forbids (in place), before anything
+        reads them (sampling, entropy, drafts); the rows whose matcher failed, with the error (the caller fails
+        them)."""
+        rows = [i for i, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return {}
+        bitmask, failed = self.masks([grammars[i] for i in rows])  # type: ignore[misc]
+        mask_rows(logits, rows, bitmask)
+        return {rows[j]: exc for j, exc in failed.items()}
+
+    def constrain_rounds(
+        self, target: torch.Tensor, grammars: list[SequenceGrammar | None], rounds: list[DraftRound]
+    ) -> dict[int, Exception]:
+        """The large model's logits ``target`` ``[R, G+1, V]`` of rounds with a grammar, in place: at each draft
+        under the mask it was drawn under, after the drafts under the grammar's mask where it stands now. The
+        rounds that cannot be judged so (a failed matcher, a kept mask missing), with the error."""
+        rows = [j for j, g in enumerate(grammars) if g is not None]
+        if not rows:
+            return {}
+        constrained = [g for g in grammars if g is not None]
+        now, failed = self.masks(constrained)
+        bitmask, missing = round_masks(constrained, [rounds[j] for j in rows], now, target.shape[1])
+        mask_rows(target, rows, bitmask)
+        errors: dict[int, Exception] = {rows[j]: exc for j, exc in failed.items()}
+        for j in missing:
+            errors.setdefault(
+                rows[j], RuntimeError(f"no grammar mask kept for a draft after {rounds[rows[j]].first_position}")
+            )
+        return errors
+
     def masks(self, grammars: list[SequenceGrammar]) -> tuple[torch.Tensor, dict[int, Exception]]:
         """``[N, W]`` int32 bitmasks of each grammar's next token (kept by each grammar for its position), and the
         rows whose matcher failed, with the error (their mask allows every token; the caller fails them)."""
