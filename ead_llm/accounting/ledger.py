@@ -4,12 +4,44 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ead_llm.core.loading import ModelInfo
-from ead_llm.core.ops import forward_flops, parameter_ratio
 from ead_llm.core.types import Role, TokenEvent
 from ead_llm.core.validation import check_float
+
+if TYPE_CHECKING:
+    from ead_llm.core.loading import ModelInfo
+
+
+def parameter_ratio(large_fraction: float, small_params: int, large_params: int) -> float:
+    """The EAD paper's cost metric ``f_L + (1 - f_L) * P_S / P_L``."""
+    if not 0.0 <= large_fraction <= 1.0:
+        raise ValueError(f"large_fraction must be in [0, 1], got {large_fraction}")
+    return large_fraction + (1.0 - large_fraction) * small_params / large_params
+
+
+def forward_flops(
+    *,
+    new_tokens: int,
+    past_tokens: int,
+    non_embedding_params: int,
+    num_layers: int,
+    attention_width: int,
+) -> int:
+    """Forward FLOPs of one pass over ``new_tokens`` positions after ``past_tokens`` cached ones.
+
+    Per position at context length ``c`` (itself included): ``2 * N`` for the matrix multiplies
+    of the ``N`` non-embedding parameters, plus ``4 * layers * c * width`` for attention
+    (``QK^T`` and the weighted sum of ``V``, ``2 * c * width`` each per layer), where ``width``
+    is query heads times head size. Embedding and unembedding are excluded (Kaplan et al. 2020).
+    """
+    if new_tokens < 0 or past_tokens < 0:
+        raise ValueError("token counts must be >= 0")
+    dense = 2 * non_embedding_params * new_tokens
+    # sum of context lengths past+1 .. past+new
+    context_sum = new_tokens * past_tokens + new_tokens * (new_tokens + 1) // 2
+    attention = 4 * num_layers * attention_width * context_sum
+    return dense + attention
 
 
 @dataclass(frozen=True)

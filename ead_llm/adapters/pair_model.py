@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, field_serializer, field_validator, model_validator
+from pydantic import ConfigDict, PrivateAttr, field_serializer, field_validator, model_validator
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ead_llm import __version__
@@ -24,7 +24,7 @@ from ead_llm.accounting.tracking import report
 from ead_llm.adapters.prompts import PromptFormat
 from ead_llm.core.engine import Engine
 from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, schema_of
-from ead_llm.core.loading import LoadConfig
+from ead_llm.core.loading import LoadConfig, LoadOptions
 from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
 from ead_llm.core.types import FinishReason, TokenEvent
@@ -50,16 +50,7 @@ CALL_OPTIONS = (
 CONSTRAINT_OPTIONS = ("json_schema", "regex", "grammar")
 
 EMBEDDED_NAME = "embedded"
-LOAD_FIELDS = (
-    "device",
-    "dtype",
-    "revision",
-    "cache_dir",
-    "local_files_only",
-    "trust_remote_code",
-    "load_attempts",
-    "retry_wait_s",
-)
+LOAD_FIELDS = tuple(LoadOptions.model_fields)
 """The fields passed on to :class:`~ead_llm.core.loading.LoadConfig` as they are."""
 IDENTITY_FIELDS = (
     "small",
@@ -85,8 +76,9 @@ DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
 """Keys of ``asdict()`` that are not constructor arguments."""
 
 
-class PairModel(BaseModel):
-    """Which pair to run and how to decode; shared by the LangChain and DSPy adapters."""
+class PairModel(LoadOptions):
+    """Which pair to run and how to decode; shared by the LangChain and DSPy adapters. How the pair is loaded
+    (``device``, ``dtype``, ``revision``...) are :class:`~ead_llm.core.loading.LoadOptions`' fields."""
 
     model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, protected_namespaces=())
 
@@ -147,22 +139,6 @@ class PairModel(BaseModel):
     engine's current setting (on by default); False turns it off for the engine, and every object sharing it."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
-    device: str | None = None
-    """Torch device; None picks CUDA when available, else CPU."""
-    dtype: str | None = None
-    """``float32``, ``bfloat16`` or ``float16``; None picks bf16 on a capable GPU, else float32."""
-    revision: str | None = None
-    """Hub revision of both models."""
-    cache_dir: str | None = None
-    """Hugging Face cache folder."""
-    local_files_only: bool = False
-    """Never reach the network."""
-    trust_remote_code: bool = False
-    """Allow model code from the Hub."""
-    load_attempts: int = 4
-    """Tries per file set when loading meets transient network or file errors."""
-    retry_wait_s: float = 1.0
-    """First backoff between loading tries (doubled each time, at most 30 s)."""
 
     _engine: Engine = PrivateAttr()
 
@@ -213,7 +189,7 @@ class PairModel(BaseModel):
                 self.policy = EAD(threshold=recommended_threshold())
         else:
             small, large = self.small, self.large
-        config = LoadConfig(small=small, large=large, **{name: getattr(self, name) for name in LOAD_FIELDS})
+        config = LoadConfig(small=small, large=large, **self.load_options())
         self._engine = shared_engine(config)
         self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
         if self.prefix_caching is not None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import errno
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -18,14 +19,12 @@ from ead_llm.core.validation import check_float, check_int
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-@dataclass(frozen=True)
-class LoadConfig:
-    """Where the pair comes from and where it runs."""
+class LoadOptions(BaseModel):
+    """How a pair is loaded and where it runs, apart from which models: the settings of :class:`LoadConfig`, which
+    the adapters' constructors (``EntropyAdaptiveLLM(device=..., dtype=...)``) take as they are."""
 
-    small: str
-    """Hugging Face id or local folder of the small model."""
-    large: str
-    """Hugging Face id or local folder of the large model."""
+    model_config = ConfigDict(extra="forbid")
+
     device: str | None = None
     """``cuda``, ``cpu``, ``cuda:1``...; None picks CUDA when available, else the CPU."""
     dtype: str | None = None
@@ -38,27 +37,69 @@ class LoadConfig:
     """Never reach the network (also implied by ``HF_HUB_OFFLINE=1``)."""
     trust_remote_code: bool = False
     """Allow model code from the Hub."""
-    load_attempts: int = field(default=4, compare=False)
+    load_attempts: int = 4
     """Tries per file set before giving up on transient network or file errors (>= 1)."""
-    retry_wait_s: float = field(default=1.0, compare=False)
+    retry_wait_s: float = 1.0
     """First backoff between tries, doubled each time up to 30 s (>= 0)."""
 
-    def __post_init__(self) -> None:
-        for name in ("small", "large"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"{name} must be a Hugging Face model id or a local folder, got {value!r}")
-        check_int("load_attempts", self.load_attempts, minimum=1)
-        check_float("retry_wait_s", self.retry_wait_s, minimum=0.0)
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
-        if self.device is not None:
+    @field_validator("load_attempts", mode="before")
+    @classmethod
+    def _check_attempts(cls, value: Any) -> int:
+        return check_int("load_attempts", value, minimum=1)
+
+    @field_validator("retry_wait_s", mode="before")
+    @classmethod
+    def _check_wait(cls, value: Any) -> float:
+        return check_float("retry_wait_s", value, minimum=0.0)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _check_dtype(cls, value: Any) -> str | None:
+        if value is not None and value not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {value!r}")
+        return value
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, value: Any) -> str | None:
+        if value is not None:
             try:
-                torch.device(self.device)
+                torch.device(value)
             except (RuntimeError, TypeError):
-                raise ValueError(
-                    f"device must be a torch device such as 'cpu' or 'cuda', got {self.device!r}"
-                ) from None
+                raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {value!r}") from None
+        return value
+
+    def load_options(self) -> dict[str, Any]:
+        """These settings by name (what :class:`LoadConfig` takes besides the models)."""
+        return {name: getattr(self, name) for name in LoadOptions.model_fields}
+
+
+class LoadConfig(LoadOptions):
+    """Where the pair comes from and where it runs (frozen: the shared engines' registry is keyed by it, apart from
+    ``load_attempts`` and ``retry_wait_s``, which do not change what is loaded)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    small: str
+    """Hugging Face id or local folder of the small model."""
+    large: str
+    """Hugging Face id or local folder of the large model."""
+
+    @field_validator("small", "large", mode="before")
+    @classmethod
+    def _check_source(cls, value: Any, info: ValidationInfo) -> str:
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"{info.field_name} must be a Hugging Face model id or a local folder, got {value!r}")
+        return value
+
+    def _identity(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, n) for n in type(self).model_fields if n not in ("load_attempts", "retry_wait_s"))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LoadConfig) and self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
     def resolved_device(self) -> torch.device:
         if self.device is not None:

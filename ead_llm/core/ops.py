@@ -182,37 +182,6 @@ def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, second
 
 
-def parameter_ratio(large_fraction: float, small_params: int, large_params: int) -> float:
-    """The EAD paper's cost metric ``f_L + (1 - f_L) * P_S / P_L``."""
-    if not 0.0 <= large_fraction <= 1.0:
-        raise ValueError(f"large_fraction must be in [0, 1], got {large_fraction}")
-    return large_fraction + (1.0 - large_fraction) * small_params / large_params
-
-
-def forward_flops(
-    *,
-    new_tokens: int,
-    past_tokens: int,
-    non_embedding_params: int,
-    num_layers: int,
-    attention_width: int,
-) -> int:
-    """Forward FLOPs of one pass over ``new_tokens`` positions after ``past_tokens`` cached ones.
-
-    Per position at context length ``c`` (itself included): ``2 * N`` for the matrix multiplies
-    of the ``N`` non-embedding parameters, plus ``4 * layers * c * width`` for attention
-    (``QK^T`` and the weighted sum of ``V``, ``2 * c * width`` each per layer), where ``width``
-    is query heads times head size. Embedding and unembedding are excluded (Kaplan et al. 2020).
-    """
-    if new_tokens < 0 or past_tokens < 0:
-        raise ValueError("token counts must be >= 0")
-    dense = 2 * non_embedding_params * new_tokens
-    # sum of context lengths past+1 .. past+new
-    context_sum = new_tokens * past_tokens + new_tokens * (new_tokens + 1) // 2
-    attention = 4 * num_layers * attention_width * context_sum
-    return dense + attention
-
-
 def top_k_entropy_nats(logits: torch.Tensor, k: int = 20) -> torch.Tensor:
     """Entropy in nats of the top-``k`` probabilities of ``softmax(logits)``, renormalised (EAGER's measure).
     ``-inf`` logits (tokens a grammar forbids) count as probability 0."""

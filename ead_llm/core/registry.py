@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 from ead_llm.core.engine import Engine
@@ -20,13 +19,8 @@ def _canonical(config: LoadConfig) -> LoadConfig:
         source = getattr(config, name)
         path = Path(source).expanduser()
         fields[name] = str(path.resolve()) if path.exists() else source
-    return replace(
-        config,
-        small=fields["small"],
-        large=fields["large"],
-        device=str(config.resolved_device()),
-        dtype=str(config.resolved_dtype()).removeprefix("torch."),
-    )
+    device, dtype = str(config.resolved_device()), str(config.resolved_dtype()).removeprefix("torch.")
+    return config.model_copy(update={**fields, "device": device, "dtype": dtype})
 
 
 def shared_engine(config: LoadConfig) -> Engine:

@@ -4,9 +4,8 @@ import math
 
 import pytest
 
-from ead_llm.accounting.ledger import Pricing
+from ead_llm.accounting.ledger import Pricing, forward_flops
 from ead_llm.core.engine import Engine
-from ead_llm.core.ops import forward_flops
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import FinishReason, Role
 from ead_llm.policies.base import LargeOnly, SmallOnly

@@ -196,3 +196,18 @@ def test_what_counts_as_transient() -> None:
     with pytest.raises(ValueError, match="load_attempts"):
         LoadConfig(small="a", large="b", load_attempts=0)
     assert LoadConfig(small="a", large="b", load_attempts=2) == LoadConfig(small="a", large="b")
+
+
+def test_the_adapters_take_the_load_options_as_they_are() -> None:
+    """One declaration of how a pair loads: ``LoadConfig`` and the adapters' constructors share ``LoadOptions``;
+    a config's identity (the shared engines' key) leaves out how often loading is retried."""
+    from ead_llm.adapters.pair_model import PairModel
+    from ead_llm.core.loading import LoadOptions
+
+    assert issubclass(PairModel, LoadOptions) and issubclass(LoadConfig, LoadOptions)
+    assert not set(LoadOptions.model_fields) & set(PairModel.__annotations__)  # inherited, not declared again
+    same = LoadConfig(small="a", large="b", load_attempts=1, retry_wait_s=0.0)
+    assert same == LoadConfig(small="a", large="b") and hash(same) == hash(LoadConfig(small="a", large="b"))
+    assert LoadConfig(small="a", large="b", dtype="float16") != LoadConfig(small="a", large="b")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        LoadConfig(small="a", large="b", dtype="float8")

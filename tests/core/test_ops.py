@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits, forward_flops, parameter_ratio
+from ead_llm.accounting.ledger import forward_flops, parameter_ratio
+from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits
 
 
 def kept(logits: torch.Tensor, top_p: float | list[float] = 1.0, top_k: int | list[int] = 0) -> list:
