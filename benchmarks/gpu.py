@@ -19,6 +19,7 @@ import argparse
 import json
 import platform
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,8 @@ from ead_llm.policies.base import Policy
 from ead_llm.testing.tiny import big_vocab_tokenizer
 
 VOCAB = 151_936
+SYNC_LIMIT = {"large_only_b32": 1, "speculative_g4_b32": 2, "ead_b32": 2}
+"""Most host syncs a decode step may take: one per pass (speculative decoding and EAD may run both models)."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,41 @@ def ours(engine: Engine, prompts: list[list[int]], policy: Policy, tokens: int, 
     return {"tokens_per_s": generated / elapsed, "large_fraction": large / generated, "s_per_step": elapsed / tokens}
 
 
+def host_syncs(engine: Engine, prompts: list[list[int]], policy: Policy, tokens: int) -> dict[str, Any]:
+    """Host syncs in each engine step (``torch.cuda.set_sync_debug_mode``: every synchronizing CUDA call warns),
+    counted on the scheduler thread step by step: the first step (prefill) apart, then the decode steps."""
+    counts: list[int] = []
+    seen: list[warnings.WarningMessage] = []
+    step = engine._step
+
+    def counted() -> None:
+        before = len(seen)
+        step()
+        counts.append(len(seen) - before)
+
+    engine._step = counted  # type: ignore[method-assign]
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seen = caught
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.generate(
+                    [Request(p, policy, SamplingParams(max_tokens=tokens, ignore_eos=True)) for p in prompts]
+                )
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        del engine._step
+    decode = counts[1:]
+    return {
+        "prefill_step": counts[0] if counts else 0,
+        "decode_steps": len(decode),
+        "decode_max": max(decode, default=0),
+        "decode_mean": sum(decode) / len(decode) if decode else 0.0,
+    }
+
+
 def theirs(
     model: Qwen2ForCausalLM, prompts: list[list[int]], tokens: int, device: torch.device, assistant: Any = None
 ) -> dict[str, Any]:
@@ -163,6 +201,9 @@ def run_pair(name: str, small_shape: Shape, large_shape: Shape, args: argparse.N
         rows[f"hf_generate_b{batch}"] = theirs(large, chosen, args.tokens, device)
         if batch == 1:  # transformers' assisted generation takes one sequence
             rows["hf_assisted_b1"] = theirs(large, chosen, args.tokens, device, assistant=small)
+    if device.type == "cuda":
+        for label, policy in policies.items():
+            rows[f"host_syncs_{label}_b32"] = host_syncs(engine, prompts, policy, min(args.tokens, 32))
     bound = weight_bytes / bandwidth
     rows["bandwidth_bound_s_per_token_b1"] = bound
     rows["ours_large_only_b1_vs_bound"] = rows["ours_large_only_b1"]["s_per_step"] / bound
@@ -190,6 +231,7 @@ def main() -> None:
         else [(f"0.5b/{large}", SHAPES["0.5b"], SHAPES[large]) for large in args.pairs]
     )
     results = []
+    failed = False
     for name, small_shape, large_shape in plans:
         rows = run_pair(name, small_shape, large_shape, args)
         results.append(rows)
@@ -206,9 +248,20 @@ def main() -> None:
             f"batch-1 time per token against the bound: ours {rows['ours_large_only_b1_vs_bound']:.2f}x, "
             f"generate() {rows['hf_generate_b1_vs_bound']:.2f}x"
         )
+        syncs = {k.removeprefix("host_syncs_"): v for k, v in rows.items() if k.startswith("host_syncs_")}
+        if not syncs:
+            print("host syncs per decode step: not counted (set_sync_debug_mode needs a CUDA device)")
+        for label, count in syncs.items():
+            print(
+                f"host syncs, {label}: prefill step {count['prefill_step']}, decode steps mean "
+                f"{count['decode_mean']:.2f}, most {count['decode_max']} (goal: at most 1 per pass)"
+            )
+            failed = failed or count["decode_max"] > SYNC_LIMIT.get(label, 1)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(results, handle, indent=1)
+    if failed:
+        raise SystemExit("more host syncs per decode step than the goal allows")
 
 
 if __name__ == "__main__":

@@ -276,8 +276,9 @@ class Engine(Frontend):
         logits = out.last_rows(rows)  # [B, V], in the order of rows
         chosen = [seqs[i] for i in rows]
         raw = entropy_bits(logits) if not self.entropy_after_mask and any(s.grammar for s in chosen) else None
-        for b, error in self.grammars.constrain(logits, [q.grammar for q in chosen]).items():
-            self.scheduler.fail(chosen[b], error)
+        if any(q.grammar for q in chosen):  # the grammar machinery exists only once a request has a constraint
+            for b, error in self.grammars.constrain(logits, [q.grammar for q in chosen]).items():
+                self.scheduler.fail(chosen[b], error)
         at = {row: b for b, row in enumerate(rows)}
 
         def run(part: list[int]) -> SampledRows:
@@ -311,8 +312,9 @@ class Engine(Frontend):
         gamma = max(len(rounds[i].tokens) for i in live)
         target = out.padded_rows(live, gamma + 1)  # [R, G+1, V], in the order of live
         grammars = [seqs[i].grammar for i in live]
-        for j, error in self.grammars.constrain_rounds(target, grammars, [rounds[i] for i in live]).items():
-            self.scheduler.fail(seqs[live[j]], error)
+        if any(grammars):
+            for j, error in self.grammars.constrain_rounds(target, grammars, [rounds[i] for i in live]).items():
+                self.scheduler.fail(seqs[live[j]], error)
         at = {row: j for j, row in enumerate(live)}
 
         def run(part: list[int]) -> JudgedRounds:

@@ -311,3 +311,20 @@ def test_a_tokenizer_llguidance_cannot_read_is_refused_in_one_sentence(tmp_path)
     with pytest.raises(ValueError, match="constrained decoding needs a fast Hugging Face tokenizer") as refused:
         grammar_tokenizer(tokenizer, 300, frozenset({1}))
     assert str(refused.value).startswith(SUPPORTED_TOKENIZERS)
+
+
+def test_a_tokenizer_llguidance_cannot_read_still_decodes_free_text(tmp_path) -> None:
+    """The grammar machinery is built only for a constrained request: a pair whose tokenizer llguidance cannot
+    read decodes unconstrained requests under every kind of pass (sampled and verified rows), and refuses a
+    constrained one in its sentence, without failing the others."""
+    from ead_llm import EntropyAdaptiveLLM, LargeOnly, SpeculativeDecoding
+    from ead_llm.testing.tiny import big_vocab_tokenizer, build_tiny_pair
+
+    small, large = build_tiny_pair(tmp_path, tokenizer=big_vocab_tokenizer(300))
+    for policy in (LargeOnly(), SpeculativeDecoding(gamma=3)):
+        llm = EntropyAdaptiveLLM(small=str(small), large=str(large), policy=policy, max_tokens=6)
+        result = llm.generate(["t1 t2 t4", "t5 t6"])
+        assert [len(g[0].generation_info["token_ids"]) for g in result.generations] == [6, 6]
+        with pytest.raises(ValueError, match="constrained decoding needs a fast Hugging Face tokenizer"):
+            llm.invoke("t7", regex="[ab]+")
+        assert llm.shared_engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
