@@ -13,7 +13,7 @@ when a sequence writes into a block that someone else also holds (copy on write)
 The scheduler asks for blocks (``reserve``) before a pass; the model runner writes the pass's new
 keys and values (``write``) and reads each row's history (``gather``) inside the attention.
 
-Prefix caching (the bookkeeping; the engine does not call it yet): a full block whose tokens are final
+Prefix caching (the scheduler matches at admission and commits each step): a full block whose tokens are final
 is registered (``commit``) under the hash chain of the tokens up to its end, so that another sequence
 starting with the same tokens shares it (``match``) instead of computing it again. A registered block that
 nobody holds stays cached (idle, least recently used first) until a block is needed and none is free; a
