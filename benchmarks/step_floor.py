@@ -1,0 +1,147 @@
+"""Two ideas for a cheaper decode step, measured before building them (one thread, medians of repeats):
+
+1. Attention that reads the paged cache where it lies: per layer, gathering each row's history into a batch
+   and one SDPA call (what the engine does for several rows), against one SDPA call per row on a view of its
+   blocks (possible when a row's blocks are consecutive). SmolLM2-135M's attention shape (9 query heads, 3 KV
+   heads of 64, 30 layers), rows of ``--context`` positions.
+2. A compiled decode step: the embedded pair's large model at batch 1, the fused forward as it is against the
+   same layer body compiled with ``torch.compile`` around the paged attention (before and after it).
+
+    OMP_NUM_THREADS=1 python -m benchmarks.step_floor [--rows 4] [--context 1100] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ead_llm import LargeOnly
+from ead_llm.core import fused_llama
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.embedded import embedded_pair
+from ead_llm.evaluation.task import problems
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
+
+
+def median_ms(fn: Callable[[], Any], repeats: int, inner: int) -> list[float]:
+    """Milliseconds per call of ``fn`` (``inner`` calls per repeat), one figure per repeat."""
+    fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        out.append((time.perf_counter() - start) / inner * 1e3)
+    return out
+
+
+def attention(rows: int, context: int, repeats: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    stride = context + 128  # each row's blocks lie together, rows apart
+    keys = torch.randn(rows * stride, KV_HEADS, HEAD_DIM, generator=gen)
+    values = torch.randn(rows * stride, KV_HEADS, HEAD_DIM, generator=gen)
+    query = torch.randn(rows, HEADS, 1, HEAD_DIM, generator=gen)
+    slots = torch.stack([torch.arange(r * stride, r * stride + context) for r in range(rows)]).reshape(-1)
+
+    def gathered() -> torch.Tensor:
+        k = keys.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        v = values.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+        return F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
+
+    def in_place() -> torch.Tensor:
+        out = []
+        for r in range(rows):
+            span = slice(r * stride, r * stride + context)
+            k, v = keys[span].transpose(0, 1)[None], values[span].transpose(0, 1)[None]
+            out.append(F.scaled_dot_product_attention(query[r : r + 1], k, v, enable_gqa=True))
+        return torch.cat(out)
+
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(repeats):  # alternating; the outputs are compared last (an earlier comparison was seen to slow
+        a += [t * LAYERS for t in median_ms(gathered, 1, 20)]  # the next gathers fivefold in this process)
+        b += [t * LAYERS for t in median_ms(in_place, 1, 20)]
+    same = torch.allclose(gathered(), in_place(), atol=1e-6)
+    print(f"1. attention of {rows} rows x {context} positions, {LAYERS} layers (one decode step's attention):")
+    print(f"   gather + one batched SDPA: median {statistics.median(a):.1f} ms ({min(a):.1f}-{max(a):.1f})")
+    print(f"   one SDPA per row on views:  median {statistics.median(b):.1f} ms ({min(b):.1f}-{max(b):.1f})")
+    print(f"   saving per step: {statistics.median(a) - statistics.median(b):.1f} ms; same outputs: {same}")
+
+
+def _pre(hidden: Any, norm: Any, eps: float, qkv: Any, bias: Any, cos: Any, sin: Any, shape: tuple[int, ...]) -> Any:
+    heads, kv_heads, dim = shape
+    tokens = hidden.shape[1]
+    x = F.rms_norm(hidden, norm.shape, norm, eps)
+    q, k, v = F.linear(x, qkv, bias).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    q = q.view(1, tokens, heads, dim).transpose(1, 2)
+    k = k.view(1, tokens, kv_heads, dim).transpose(1, 2)
+    v = v.view(1, tokens, kv_heads, dim).transpose(1, 2)
+    q = (q * cos) + (fused_llama.rotate_half(q) * sin)
+    k = (k * cos) + (fused_llama.rotate_half(k) * sin)
+    return q, k, v
+
+
+def _post(hidden: Any, attended: Any, layer: fused_llama.FusedLayer) -> Any:
+    tokens = hidden.shape[1]
+    hidden = hidden + F.linear(attended.reshape(1, tokens, -1), layer.o, layer.o_bias)
+    x = F.rms_norm(hidden, layer.post_norm[0].shape, layer.post_norm[0], layer.post_norm[1])
+    gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+
+
+def compiled(repeats: int, tokens: int) -> None:
+    small, large = embedded_pair()
+    engine = Engine(load_pair(LoadConfig(small=small, large=large, device="cpu")))
+    request = Request(problems("test", 1)[0].prompt, LargeOnly(), SamplingParams(max_tokens=tokens, ignore_eos=True))
+    plain = fused_llama.FusedLayer.__call__
+    pre, post = torch.compile(_pre, dynamic=True), torch.compile(_post, dynamic=True)
+
+    def layer_compiled(self: fused_llama.FusedLayer, hidden: Any, cos: Any, sin: Any, batch: Any) -> Any:
+        shape = (self.heads, self.kv_heads, self.head_dim)
+        q, k, v = pre(hidden, self.input_norm[0], self.input_norm[1], self.qkv, self.qkv_bias, cos, sin, shape)
+        batch.write(self.index, k, v)
+        return post(hidden, batch.attend(self.attention, q, self.scaling), self)
+
+    def per_token() -> float:
+        start = time.perf_counter()
+        done = engine.generate([request])[0]
+        return (time.perf_counter() - start) / len(done.token_ids) * 1e3
+
+    texts = {}
+    results: dict[str, list[float]] = {"as it is": [], "compiled": []}
+    for name, body in (("as it is", plain), ("compiled", layer_compiled)):
+        fused_llama.FusedLayer.__call__ = body  # type: ignore[method-assign]
+        start = time.perf_counter()
+        texts[name] = engine.generate([request])[0].text  # warm-up (compiles)
+        warm = time.perf_counter() - start
+        results[name] = [per_token() for _ in range(repeats)]
+        print(f"   {name:<9} warm-up {warm:.1f} s")
+    fused_llama.FusedLayer.__call__ = plain  # type: ignore[method-assign]
+    print(f"2. the embedded large model at batch 1, {tokens} tokens, ms per token:")
+    for name, values in results.items():
+        print(f"   {name:<9} median {statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})")
+    print(f"   same text: {texts['as it is'] == texts['compiled']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--context", type=int, default=1100)
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    attention(args.rows, args.context, args.repeats)
+    compiled(args.repeats, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
