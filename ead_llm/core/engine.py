@@ -275,9 +275,11 @@ class Engine(Frontend):
         """The sampler over ``rows``' last read positions, after their grammars' masks."""
         logits = out.last_rows(rows)  # [B, V], in the order of rows
         chosen = [seqs[i] for i in rows]
-        raw = entropy_bits(logits) if not self.entropy_after_mask and any(s.grammar for s in chosen) else None
-        if any(q.grammar for q in chosen):  # the grammar machinery exists only once a request has a constraint
-            for b, error in self.grammars.constrain(logits, [q.grammar for q in chosen]).items():
+        grammars = [q.grammar for q in chosen]
+        constrained = any(grammars)
+        raw = entropy_bits(logits) if constrained and not self.entropy_after_mask else None
+        if constrained:  # the grammar machinery exists only once a request has a constraint
+            for b, error in self.grammars.constrain(logits, grammars).items():
                 self.scheduler.fail(chosen[b], error)
         at = {row: b for b, row in enumerate(rows)}
 

@@ -273,7 +273,8 @@ class DeviceResults(Protocol):
 def to_host(parts: Sequence[DeviceResults]) -> list[tuple[int, Any]]:
     """Every part's ``(pass row, result)``, with all their columns brought to the host in one transfer (the pass's
     one sync), in row order."""
-    columns = [column for part in parts for column in part.columns()]
+    per_part = [part.columns() for part in parts]
+    columns = [column for own in per_part for column in own]
     if not columns:
         return []
     flat = torch.cat([c.reshape(-1).to(torch.float64) for c in columns]).tolist()
@@ -282,10 +283,9 @@ def to_host(parts: Sequence[DeviceResults]) -> list[tuple[int, Any]]:
         host.append(flat[at : at + column.numel()])
         at += column.numel()
     results, first = [], 0
-    for part in parts:
-        count = len(part.columns())
-        results.extend(part.results(host[first : first + count]))
-        first += count
+    for part, own in zip(parts, per_part, strict=True):
+        results.extend(part.results(host[first : first + len(own)]))
+        first += len(own)
     return sorted(results, key=lambda item: item[0])
 
 

@@ -3,6 +3,8 @@ of computing them, with the same tokens, whatever the policy, the KV budget or t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from ead_llm import EAD, EAGER, LargeOnly, SpeculativeDecoding
@@ -55,14 +57,7 @@ def test_cached_positions_pay_their_own_price(llama_pair) -> None:
     warm = engine.generate(requests, pricing=same)[0].cost
     assert cold.large_cached_tokens == 0 < warm.large_cached_tokens and warm.small_cached_tokens > 0
     assert warm.cost_usd == pytest.approx(cold.cost_usd)
-    cheap = Pricing(
-        small_input=3.0,
-        large_input=7.0,
-        small_output=5.0,
-        large_output=11.0,
-        large_cached_input=0.5,
-        small_cached_input=0.0,
-    )
+    cheap = dataclasses.replace(same, large_cached_input=0.5, small_cached_input=0.0)
     priced = engine.generate(requests, pricing=cheap)[0].cost
     assert priced.large_cached_tokens == warm.large_cached_tokens
     saving = (warm.large_cached_tokens * (7.0 - 0.5) + warm.small_cached_tokens * 3.0) / 1e6
