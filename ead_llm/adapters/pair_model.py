@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import ConfigDict, PrivateAttr, field_serializer, field_validator, model_validator
+from pydantic import ConfigDict, PrivateAttr, ValidationInfo, field_serializer, field_validator, model_validator
 from tenacity import AsyncRetrying, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from ead_llm import __version__
@@ -24,7 +24,7 @@ from ead_llm.accounting.tracking import report
 from ead_llm.adapters.prompts import PromptFormat
 from ead_llm.core.engine import Engine
 from ead_llm.core.grammar import DEFAULT_BOUNDS, Constraint, JsonBounds, schema_of
-from ead_llm.core.loading import LoadConfig, LoadOptions
+from ead_llm.core.loading import LoadConfig, LoadOptions, model_source
 from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
 from ead_llm.core.types import FinishReason, TokenEvent
@@ -162,6 +162,11 @@ class PairModel(LoadOptions):
     def _dump_policy(self, policy: Policy | None) -> dict[str, Any] | None:
         """Dumped with its type and settings, so that ``model_validate(model_dump())`` rebuilds it."""
         return None if policy is None else describe_policy(policy)
+
+    @field_validator("small", "large", mode="before")
+    @classmethod
+    def _check_source(cls, value: Any, info: ValidationInfo) -> str | None:
+        return None if value is None else model_source(str(info.field_name), value)
 
     @field_validator("stop", mode="before")
     @classmethod

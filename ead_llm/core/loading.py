@@ -74,6 +74,16 @@ class LoadOptions(BaseModel):
         return {name: getattr(self, name) for name in LoadOptions.model_fields}
 
 
+def model_source(name: str, value: Any) -> str:
+    """A model's Hugging Face id or local folder as text (a ``pathlib.Path`` or other path-like is taken, as
+    ``from_pretrained`` takes it); a clear error for anything else."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a Hugging Face model id or a local folder, got {value!r}")
+    return value
+
+
 class LoadConfig(LoadOptions):
     """Where the pair comes from and where it runs (frozen: the shared engines' registry is keyed by it, apart from
     ``load_attempts`` and ``retry_wait_s``, which do not change what is loaded)."""
@@ -88,9 +98,7 @@ class LoadConfig(LoadOptions):
     @field_validator("small", "large", mode="before")
     @classmethod
     def _check_source(cls, value: Any, info: ValidationInfo) -> str:
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{info.field_name} must be a Hugging Face model id or a local folder, got {value!r}")
-        return value
+        return model_source(str(info.field_name), value)
 
     def _identity(self) -> tuple[Any, ...]:
         return tuple(getattr(self, n) for n in type(self).model_fields if n not in ("load_attempts", "retry_wait_s"))

@@ -24,6 +24,20 @@ def test_loads_offline_from_folders(llama_paths, monkeypatch: pytest.MonkeyPatch
     assert not pair.large.model.training
 
 
+def test_folders_may_be_paths(llama_paths) -> None:
+    """A ``pathlib.Path`` names a folder as its text does (``from_pretrained`` takes both), in the config and the
+    adapters; a number is still refused with the field's name."""
+    from ead_llm import EntropyAdaptiveLLM
+
+    config = LoadConfig(small=llama_paths[0], large=llama_paths[1])
+    assert config == LoadConfig(small=str(llama_paths[0]), large=str(llama_paths[1]))
+    assert load_pair(config).small.info.source == str(llama_paths[0])
+    llm = EntropyAdaptiveLLM(small=Path(llama_paths[0]), large=Path(llama_paths[1]), max_tokens=4)
+    assert llm.small == str(llama_paths[0]) and isinstance(llm.invoke("1+1="), str)
+    with pytest.raises(ValueError, match="large must be a Hugging Face model id or a local folder, got 3"):
+        LoadConfig(small=llama_paths[0], large=3)
+
+
 def test_parameter_counts(llama_pair) -> None:
     small = llama_pair.small.model
     info = llama_pair.small.info
