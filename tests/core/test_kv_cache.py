@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV, block_hashes
 
@@ -167,3 +169,122 @@ def test_only_final_tokens_are_committed() -> None:
     write_positions(cache, seq, [0.0] * 8)
     cache.commit(seq, [0, 0, 0, 0, 0])  # drafts past the fifth token may still be rejected
     assert len(cache.pool.by_hash) == 1
+
+
+# -- blocks in order (the runner's views) -------------------------------------------------------------------------
+
+
+def test_sequences_growing_side_by_side_keep_their_blocks_in_order() -> None:
+    """Room is kept after each sequence's blocks for what it may reach, so sequences admitted together and
+    growing in turn each hold consecutive blocks (the runner attends over a view of them, copying nothing)."""
+    cache = KVCache(1, block_size=4)
+    seqs = [SequenceKV() for _ in range(4)]
+    for seq in seqs:
+        cache.reserve(seq, 10, expect=40)  # 3 blocks now, 10 at most
+    for length in range(11, 41):
+        for seq in seqs:
+            cache.reserve(seq, length, expect=40)
+    for seq in seqs:
+        assert seq.blocks == list(range(seq.blocks[0], seq.blocks[0] + 10))
+    assert len({block for seq in seqs for block in seq.blocks}) == 40
+
+
+def test_room_kept_for_a_sequence_is_lent_only_when_nothing_else_is_left() -> None:
+    cache = KVCache(1, block_size=1, max_tokens=8)
+    owner, other = SequenceKV(), SequenceKV()
+    cache.reserve(owner, 2, expect=6)  # blocks 0 and 1; 2..5 kept for it
+    assert owner.blocks == [0, 1] and cache.pool.available() == 6  # kept blocks are still available
+    cache.reserve(other, 2, expect=2)
+    assert other.blocks == [6, 7]  # not the kept ones
+    cache.reserve(other, 3)  # nothing else is left: a kept block is lent
+    assert other.blocks[-1] in range(2, 6)
+    cache.reserve(owner, 5)  # the owner still gets its blocks, no longer all in order
+    assert len(owner.blocks) == 5 and cache.pool.available() == 0
+    with pytest.raises(OutOfBlocks):
+        cache.reserve(other, 4)
+
+
+def test_a_rollback_keeps_the_blocks_it_gives_back_for_the_sequence() -> None:
+    cache = KVCache(1, block_size=1)
+    seq, other = SequenceKV(), SequenceKV()
+    write_positions(cache, seq, list(range(8)))
+    cache.reserve(seq, 8, expect=12)
+    cache.truncate(seq, 3)  # rejected drafts
+    cache.reserve(other, 4, expect=4)
+    assert not set(other.blocks) & set(range(seq.blocks[0], seq.blocks[0] + 12))
+    write_positions(cache, seq, [7.0] * 9)
+    assert seq.blocks == list(range(seq.blocks[0], seq.blocks[0] + 12))
+    assert read_positions(cache, seq) == [0, 1, 2] + [7.0] * 9
+    cache.free(seq)
+    cache.free(other)
+    pool = cache.pool
+    assert pool.used == 0 and not pool.claims and pool.free_count == pool.num_blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["grow", "rollback", "fork", "free", "commit", "match"]),
+            st.integers(0, 3),
+            st.integers(1, 9),
+        ),
+        max_size=40,
+    ),
+    budget=st.sampled_from([None, 24, 40]),
+)
+def test_any_mix_of_operations_keeps_the_books_and_the_data(
+    ops: list[tuple[str, int, int]], budget: int | None
+) -> None:
+    """Fuzzed growth, rollbacks, forks, frees and prefix caching under a budget: every sequence reads back what it
+    wrote, and the pool's books agree with who holds what (no block both free and held, claims only on free
+    blocks, the budget never exceeded)."""
+    cache = KVCache(1, block_size=2, max_tokens=budget)
+    seqs: list[tuple[SequenceKV, list[float]]] = []
+    counter = 0.0
+    for op, index, amount in ops:
+        if op != "match" and not seqs:
+            op = "match"
+        held = seqs[index % len(seqs)] if seqs else None
+        try:
+            if op == "grow" and held is not None:
+                seq, values = held
+                new = [counter + i for i in range(amount)]
+                counter += amount
+                cache.reserve(seq, seq.length + amount, expect=seq.length + 3 * amount)
+                write_positions(cache, seq, new)
+                values.extend(new)
+            elif op == "rollback" and held is not None:
+                seq, values = held
+                cache.truncate(seq, max(0, seq.length - amount))
+                del values[seq.length :]
+            elif op == "fork" and held is not None and len(seqs) < 6:
+                seqs.append((cache.fork(held[0]), list(held[1])))
+            elif op == "free" and held is not None:
+                cache.free(held[0])
+                seqs.remove(held)
+            elif op == "commit" and held is not None:
+                cache.commit(held[0], [int(v) for v in held[1]])
+            elif op == "match" and len(seqs) < 6:
+                seq = SequenceKV()
+                tokens = [float(v) for v in range(amount * 2)]
+                cache.match(seq, [int(v) for v in tokens])
+                seqs.append((seq, tokens[: seq.length]))
+        except OutOfBlocks:
+            pass
+        for seq, values in seqs:
+            assert read_positions(cache, seq) == values if seq.length else True
+        pool = cache.pool
+        holders: dict[int, int] = {}
+        for seq, _ in seqs:
+            assert len(set(seq.blocks)) == len(seq.blocks)
+            for block in seq.blocks:
+                holders[block] = holders.get(block, 0) + 1
+        for block in range(pool.num_blocks):
+            assert pool.refs[block] == holders.get(block, 0)
+            free = pool.state[block] != 0
+            assert free == (block not in holders and block not in pool.idle)
+            assert (pool.state[block] == 2) == (block in pool.claims)
+        assert pool.free_count == sum(1 for state in pool.state if state != 0)
+        assert pool.used == len(holders)
+        assert budget is None or pool.num_blocks <= -(-budget // 2)

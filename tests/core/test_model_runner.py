@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ead_llm.core import model_runner
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow
@@ -19,7 +20,16 @@ def _runner(pair: ModelPair) -> ModelRunner:
 
 
 @torch.inference_mode()
-def test_packed_passes_match_the_models_own_logits(pair: ModelPair) -> None:
+@pytest.mark.parametrize("in_place", [True, False], ids=["views", "gathers"])
+def test_packed_passes_match_the_models_own_logits(
+    pair: ModelPair, in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows attended over views of their blocks (every row here, with room kept after each) and rows copied
+    into a batch (none here) give the model's own logits; so do prefills over the pass's own keys."""
+    monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
+    alone = []
+    original = ModelRunner._alone
+    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: alone.append(original(self, *a, **k)) or alone[-1])
     runner = _runner(pair)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 3, 21)]
@@ -31,7 +41,7 @@ def test_packed_passes_match_the_models_own_logits(pair: ModelPair) -> None:
         for i, (kv, tokens) in enumerate(zip(kvs, seqs, strict=True)):
             target = fed[i] if step == 0 else min(len(tokens), kv.length + (1 if i % 2 else 3))
             if target > kv.length:
-                runner.cache.reserve(kv, target)
+                runner.cache.reserve(kv, target, expect=len(tokens) if in_place else None)
                 rows.append(PassRow(kv, tokens[:target], read=min(2, target - kv.length)))
                 where.append((i, target))
         if not rows:
@@ -42,6 +52,10 @@ def test_packed_passes_match_the_models_own_logits(pair: ModelPair) -> None:
             got = out.rows(r)
             assert torch.allclose(got, want[i][target - got.shape[0] : target], atol=1e-4)
     assert all(kv.length == len(tokens) for kv, tokens in zip(kvs, seqs, strict=True))
+    fresh = sum(1 for unit in alone if unit is not None and unit.span is None)
+    views = sum(1 for unit in alone if unit is not None and unit.span is not None)
+    assert fresh == len(seqs)  # the first pass: no history to read
+    assert views == (len(alone) - fresh if in_place else 0) and (views > 20 or not in_place)
     # the model still runs outside the engine (its attention falls back to SDPA)
     assert runner.model.generate(torch.tensor([seqs[0][:3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
 
