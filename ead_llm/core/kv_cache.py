@@ -1,17 +1,22 @@
 """One model's paged KV cache: fixed-size blocks from a pool, a block table per sequence.
 
-Memory follows the tokens held. Every layer stores keys and values token-major in one tensor
-``[capacity_tokens, kv_heads, head_dim]``; a sequence owns a list of blocks of ``block_size``
-positions (its block table) and a length. Position ``p`` of a sequence lives at flat slot
-``blocks[p // block_size] * block_size + p % block_size``. The pool grows (by doubling, up to
-``max_tokens``) only when blocks run out, and is released when nothing is held.
+Memory follows the tokens held. Every layer stores keys and values head-major in one tensor
+``[kv_heads, capacity_tokens, head_dim]``; a sequence owns a list of blocks of ``block_size`` positions (its block
+table) and a length. Position ``p`` of a sequence lives at flat slot ``blocks[p // block_size] * block_size +
+p % block_size``. The pool grows (by doubling, up to ``max_tokens``) when blocks run out or room must be kept after
+a sequence (below), and is released when nothing is held.
+
+Blocks are placed so that a sequence's blocks lie in order where room allows: its history is then, per head, one
+contiguous run that the attention reads where it lies (measured on SmolLM2's shapes, a decode step's attention
+over 4 rows of 1,100 positions: 20.6 ms head-major in place, 26.1 ms token-major in place, 29-70 ms copied first).
 
 A fork (an EAGER path branching off another) shares its parent's blocks; a block is copied only
 when a sequence writes into a block that someone else also holds (copy on write). A rollback
 (rejected speculative drafts) shortens the length and frees the blocks past it.
 
 The scheduler asks for blocks (``reserve``) before a pass; the model runner writes the pass's new
-keys and values (``write``) and reads each row's history (``gather``) inside the attention.
+keys and values (``write``) and reads each row's history inside the attention (``view`` in place, or
+``gather``: a copy, for rows whose blocks are not in order or are short).
 
 Prefix caching (the scheduler matches at admission and commits each step): a full block whose tokens are final
 is registered (``commit``) under the hash chain of the tokens up to its end, so that another sequence
@@ -426,28 +431,30 @@ class KVCache:
         """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]``."""
         capacity = self.pool.num_blocks * self.block_size
         stored = self.keys[layer]
-        if stored is None or stored.shape[0] < capacity:
+        if stored is None or stored.shape[1] < capacity:
             self.keys[layer] = _fit(stored, capacity, keys)
             self.values[layer] = _fit(self.values[layer], capacity, values)
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
-        self.keys[layer][slots] = keys  # type: ignore[index]
-        self.values[layer][slots] = values  # type: ignore[index]
+        self.keys[layer][:, slots] = keys.transpose(0, 1)  # type: ignore[index]
+        self.values[layer][:, slots] = values.transpose(0, 1)  # type: ignore[index]
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]``."""
+        """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]`` (a copy)."""
         keys, values = self.keys[layer], self.values[layer]
         assert keys is not None and values is not None, "gather before any write"
         batch, length = slots.shape
         flat = slots.reshape(-1)
-        k = keys.index_select(0, flat).view(batch, length, *keys.shape[1:]).transpose(1, 2)
-        v = values.index_select(0, flat).view(batch, length, *values.shape[1:]).transpose(1, 2)
+        heads, _, dim = keys.shape
+        k = keys.index_select(1, flat).view(heads, batch, length, dim).transpose(0, 1)
+        v = values.index_select(1, flat).view(heads, batch, length, dim).transpose(0, 1)
         return k, v
 
     def view(self, layer: int, span: slice) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[1, H, L, D]`` of one layer at the consecutive flat slots ``span`` (no copy)."""
+        """Keys and values ``[1, H, L, D]`` of one layer at the consecutive flat slots ``span`` (no copy; each
+        head's positions lie together)."""
         keys, values = self.keys[layer], self.values[layer]
         assert keys is not None and values is not None, "view before any write"
-        return keys[span].transpose(0, 1)[None], values[span].transpose(0, 1)[None]
+        return keys[:, span][None], values[:, span][None]
 
     def _copy_block(self, source: int, target: int) -> None:
         size = self.block_size
@@ -455,15 +462,17 @@ class KVCache:
             for layer, tensor in enumerate(tensors):
                 if tensor is None:
                     continue
-                tensors[layer] = tensor = _fit(tensor, self.pool.num_blocks * size, tensor)
-                tensor[target * size : (target + 1) * size] = tensor[source * size : (source + 1) * size]
+                tensors[layer] = tensor = _fit(tensor, self.pool.num_blocks * size, tensor.transpose(0, 1))
+                tensor[:, target * size : (target + 1) * size] = tensor[:, source * size : (source + 1) * size]
 
 
 def _fit(storage: torch.Tensor | None, capacity: int, like: torch.Tensor) -> torch.Tensor:
-    """``storage`` grown to ``capacity`` rows (its contents kept), or a new tensor shaped like ``like``'s rows."""
-    if storage is not None and storage.shape[0] >= capacity:
+    """``storage`` ``[H, slots, D]`` grown to ``capacity`` slots (its contents kept), or a new one for tokens shaped
+    like ``like`` ``[T, H, D]``."""
+    if storage is not None and storage.shape[1] >= capacity:
         return storage
-    grown = torch.empty((capacity, *like.shape[1:]), dtype=like.dtype, device=like.device)
+    heads, dim = like.shape[1], like.shape[2]
+    grown = torch.empty((heads, capacity, dim), dtype=like.dtype, device=like.device)
     if storage is not None:
-        grown[: storage.shape[0]] = storage
+        grown[:, : storage.shape[1]] = storage
     return grown

@@ -162,7 +162,7 @@ class PackedBatch:
         out = []
         for blocks, start, count in zip(self.blocks, self.starts, self.counts, strict=True):
             slots = [blocks[p // size] * size + p % size for p in range(start + count)]
-            out.append(keys[torch.tensor(slots, dtype=torch.long, device=keys.device)])
+            out.append(keys[:, torch.tensor(slots, dtype=torch.long, device=keys.device)].transpose(0, 1))
         return out
 
 
