@@ -6,12 +6,16 @@ both sides unless ``--threads`` says otherwise.
 
 (a) the embedded pair, one request at a time, greedy: our ``LargeOnly`` against the large model's
     ``generate()``, and our ``SpeculativeDecoding`` (gamma 4, and adaptive) against assisted
-    generation, ``generate(assistant_model=small)``; the greedy texts must agree.
+    generation, ``generate(assistant_model=small)``; the greedy texts must agree. Once at the engine
+    (``Engine.generate`` against ``generate(ids)``), once as users call each (``EntropyAdaptiveLLM.invoke``
+    against ``tokenizer(...)`` then ``generate(**inputs)``).
 (b) a random Llama pair with Qwen2.5's 151,936-token vocabulary, 16 requests in one call, sampled
     (temperature 0.8, top-p 0.9): our ``LargeOnly`` against ``generate()`` on the padded batch.
 (c) the share of step time spent outside the models' forward passes at batch 64 (embedded pair
     with EAD, and the pair of (b) sampled).
-(d) EAD at 16 concurrent callers against the same 16 requests one at a time (embedded pair).
+(d) EAD at 16 concurrent callers against the same 16 requests one at a time (embedded pair), and that
+    speed-up as a share of what batching 16 rows can give at most on these models in this run,
+    ``16 * t(1) / t(16)`` (``t``: a decode forward of each model, through the engine's runner).
 (e) EAD with lookahead (window 1, dwell 1, 0.05 bits) against the measured-time ideal
     ``f_L * t_L + (1 - f_L) * t_S`` (t_S, t_L: SmallOnly's and LargeOnly's time per token).
 
@@ -34,8 +38,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from ead_llm import EAD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
+from ead_llm.core.kv_cache import SequenceKV
 from ead_llm.core.loading import LoadConfig, LoadedModel, ModelPair, describe_model, load_pair
-from ead_llm.core.model_runner import ModelRunner
+from ead_llm.core.model_runner import ModelRunner, PassRow
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.embedded import embedded_pair, recommended_threshold
@@ -51,7 +56,11 @@ GOALS = {
     "b_large_only_sampled": (">=", 2.0),
     "c_outside_forward_embedded": ("<=", 0.15),
     "c_outside_forward_big_vocab": ("<=", 0.15),
+    "a_invoke_large_only": (">=", 2.0),
+    "a_invoke_speculative": (">=", 1.5),
+    "a_invoke_speculative_adaptive": (">=", 1.5),
     "d_ead_16_callers": (">=", 5.0),
+    "d_share_of_batching_headroom": (">=", 0.8),
     "e_lookahead_vs_ideal": ("<=", 1.2),
 }
 
@@ -135,6 +144,58 @@ def embedded_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[st
         "ratios": {f"a_{k}": spread(v) for k, v in runs.items()},
         "tokens_per_s": {k: spread(v) for k, v in rates.items()},
         "greedy_agreement_with_generate": f"{agree}/{len(prompts)}",
+    }
+
+
+def invoke_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
+    """(a) as a user runs each side: ``EntropyAdaptiveLLM.invoke`` on the embedded pair against ``tokenizer(...)``
+    then ``generate(**inputs)`` (and ``assistant_model=small``) on their own copies. Greedy and lossless, both sides
+    write the same text (checked), so a ratio is of times."""
+    from transformers import AutoTokenizer
+
+    from ead_llm import EntropyAdaptiveLLM
+
+    small_dir, large_dir = embedded_pair()
+    hf_large = AutoModelForCausalLM.from_pretrained(large_dir).eval()
+    hf_small = AutoModelForCausalLM.from_pretrained(small_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(large_dir)
+    llms = {
+        "large_only": EntropyAdaptiveLLM(policy=LargeOnly(), max_tokens=max_tokens),
+        "speculative": EntropyAdaptiveLLM(policy=SpeculativeDecoding(gamma=4), max_tokens=max_tokens),
+        "speculative_adaptive": EntropyAdaptiveLLM(
+            policy=SpeculativeDecoding(gamma=4, adaptive_gamma=True), max_tokens=max_tokens
+        ),
+    }
+
+    def theirs(assistant: Any = None) -> list[str]:
+        texts = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                inputs = tokenizer(prompt, return_tensors="pt")
+                out = hf_large.generate(
+                    **inputs,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    assistant_model=assistant,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+                texts.append(tokenizer.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True))
+        return texts
+
+    reference = theirs()
+    same = {
+        name: sum(llm.invoke(p) == t for p, t in zip(prompts, reference, strict=True)) for name, llm in llms.items()
+    }
+    ratios: dict[str, list[float]] = {f"a_invoke_{name}": [] for name in llms}
+    for _ in range(repeats):
+        plain = timed(lambda: len(theirs()))[0]
+        assisted = timed(lambda: len(theirs(hf_small)))[0]
+        for name, llm in llms.items():
+            mine = timed(lambda llm=llm: len([llm.invoke(p) for p in prompts]))[0]
+            ratios[f"a_invoke_{name}"].append((plain if name == "large_only" else assisted) / mine)
+    return {
+        "ratios": {k: spread(v) for k, v in ratios.items()},
+        "same_text_as_generate": {name: f"{count}/{len(prompts)}" for name, count in same.items()},
     }
 
 
@@ -271,6 +332,35 @@ def outside_forward(engine: Engine, requests: list[Request], repeats: int) -> di
 # -- (d), (e) ---------------------------------------------------------------------------------------
 
 
+def forward_s(runner: ModelRunner, batch: int, repeats: int = 15) -> float:
+    """Median seconds of one decode forward of ``runner``'s model over ``batch`` rows of 64 positions (the model
+    alone, through the engine's runner, no scheduling or sampling)."""
+    gen = torch.Generator().manual_seed(batch)
+    tokens = [torch.randint(4, runner.vocab_size, (65,), generator=gen).tolist() for _ in range(batch)]
+    kvs = [SequenceKV() for _ in range(batch)]
+    for kv in kvs:
+        runner.cache.reserve(kv, 65)
+    runner.execute([PassRow(kv, t[:64]) for kv, t in zip(kvs, tokens, strict=True)])  # the prompts
+    times = []
+    for _ in range(repeats):
+        times.append(
+            timed(lambda: runner.execute([PassRow(kv, t) for kv, t in zip(kvs, tokens, strict=True)]) and 0)[0]
+        )
+        for kv in kvs:
+            runner.cache.truncate(kv, 64)
+    for kv in kvs:
+        runner.cache.free(kv)
+    return statistics.median(times)
+
+
+def batching_headroom(engine: Engine, callers: int) -> float:
+    """What batching ``callers`` rows can gain at most, from the models themselves: ``callers * t(1) / t(callers)``,
+    with ``t`` one decode forward of each model of the pair."""
+    alone = sum(forward_s(runner, 1) for runner in engine.runners.values())
+    together = sum(forward_s(runner, callers) for runner in engine.runners.values())
+    return callers * alone / together
+
+
 def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[str, float]:
     def alone() -> int:
         return sum(len(engine.generate([r])[0].token_ids) for r in requests)
@@ -290,11 +380,12 @@ def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[s
             thread.join()
         return sum(counts)
 
-    ratios = []
+    ratios, shares = [], []
     for _ in range(repeats):
         a, b = timed(alone), timed(together)
         ratios.append((b[1] / b[0]) / (a[1] / a[0]))
-    return spread(ratios)
+        shares.append(ratios[-1] / batching_headroom(engine, len(requests)))
+    return {"speed_up": spread(ratios), "share_of_headroom": spread(shares)}
 
 
 def lookahead_vs_ideal(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -339,6 +430,9 @@ def main() -> None:
     a = embedded_peers(prompts, args.max_tokens, args.repeats)
     report["a"] = a
     report["ratios"].update(a["ratios"])
+    invoked = invoke_peers(prompts, args.max_tokens, args.repeats)
+    report["a_invoke"] = invoked
+    report["ratios"].update(invoked["ratios"])
     b = big_vocab_peer(16 if args.quick else 32, args.repeats)
     report["b"] = b
     report["ratios"].update(b["ratios"])
@@ -354,7 +448,10 @@ def main() -> None:
     report["ratios"]["c_outside_forward_big_vocab"] = outside_forward(big, big64, max(1, args.repeats // 2))
 
     callers = [Request(p.prompt, ead, SamplingParams(max_tokens=args.max_tokens)) for p in problems("test", 16)]
-    report["ratios"]["d_ead_16_callers"] = concurrency(embedded, callers, args.repeats)
+    d = concurrency(embedded, callers, args.repeats)
+    report["d"] = d
+    report["ratios"]["d_ead_16_callers"] = d["speed_up"]
+    report["ratios"]["d_share_of_batching_headroom"] = d["share_of_headroom"]
     e = lookahead_vs_ideal(embedded, prompts, args.max_tokens, args.repeats)
     report["e"] = e
     report["ratios"]["e_lookahead_vs_ideal"] = e["ratio"]
@@ -368,6 +465,7 @@ def main() -> None:
         print(f"{name:34} {value:8.3f} {figure['min']:8.3f} {figure['max']:8.3f}  {sign} {goal:<5}  {verdict}")
     print(f"(a) tokens/s: { {k: round(v['median']) for k, v in a['tokens_per_s'].items()} }")
     print(f"(a) greedy LargeOnly texts equal to generate()'s: {a['greedy_agreement_with_generate']}")
+    print(f"(a) through invoke, texts equal to generate()'s: {invoked['same_text_as_generate']}")
     print(f"(b) tokens/s: { {k: round(v['median']) for k, v in b['tokens_per_s'].items()} }")
     print(f"(e) EAD+lookahead large fraction {e['large_fraction']:.3f}")
     if args.json:

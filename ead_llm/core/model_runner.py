@@ -187,6 +187,14 @@ def paged_attention(
     return ead_batch.attend(module, query, scaling), None
 
 
+def in_order(blocks: list[int], used: int) -> int | None:
+    """The first of a block table's ``used`` first blocks when they are consecutive, else None."""
+    first = blocks[0]
+    if blocks[used - 1] - first != used - 1 or blocks[:used] != list(range(first, first + used)):
+        return None
+    return first
+
+
 def register_attention() -> None:
     """Make :data:`ATTENTION` a valid ``attn_implementation`` (idempotent); masks for other calls are SDPA's."""
     AttentionInterface.register(ATTENTION, paged_attention)
@@ -367,13 +375,18 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         offsets = [0]
+        firsts: list[int | None] = []
         for i in order:
             row = rows[i]
-            start, blocks = row.kv.length, row.kv.blocks
+            start, blocks, end = row.kv.length, row.kv.blocks, len(row.tokens)
             ids.extend(row.tokens[start:])
-            span = range(start, len(row.tokens))
-            positions.extend(span)
-            slots.extend(blocks[p // size] * size + p % size for p in span)
+            positions.extend(range(start, end))
+            first = in_order(blocks, -(-end // size))
+            if first is not None:  # the row's slots are consecutive too
+                slots.extend(range(first * size + start, first * size + end))
+            else:
+                slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            firsts.append(first)
             offsets.append(len(ids))
         inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
         ordered = [rows[i] for i in order]
@@ -382,7 +395,7 @@ class ModelRunner:
         decode: list[int] = []
         multi: list[int] = []
         for b, row in enumerate(ordered):
-            unit = self._alone(row, offsets[b], counts[b], only=len(order) == 1)
+            unit = self._alone(row, offsets[b], counts[b], firsts[b], only=len(order) == 1)
             if unit is not None:
                 alone.append(unit)
             else:
@@ -410,10 +423,10 @@ class ModelRunner:
             keep.extend(range(end - row.read, end))
         return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device)
 
-    def _alone(self, row: PassRow, offset: int, count: int, *, only: bool) -> RowAttention | None:
-        """How ``row`` (whose ``count`` new tokens start at packed ``offset``) is attended alone without copying
-        its history, if it can be: its history is all new, or its blocks lie in order and it is long (or the
-        only row); None: it is gathered with the others."""
+    def _alone(self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool) -> RowAttention | None:
+        """How ``row`` (whose ``count`` new tokens start at packed ``offset``; ``first``: its first block when its
+        blocks lie in order) is attended alone without copying its history, if it can be: its history is all new,
+        or its blocks lie in order and it is long (or the only row); None: it is gathered with the others."""
         start = row.kv.length
         end = start + count
         queries = slice(offset, offset + count)
@@ -421,11 +434,9 @@ class ModelRunner:
             return RowAttention(queries, None, None)
         if not only and end < VIEW_MIN:
             return None
-        size, blocks = self.cache.block_size, row.kv.blocks
-        used = -(-end // size)
-        first = blocks[0]
-        if blocks[used - 1] - first != used - 1 or blocks[:used] != list(range(first, first + used)):
+        if first is None:
             return None
+        size = self.cache.block_size
         mask = None
         if count > 1:  # each new token sees the positions up to its own
             key_pos = torch.arange(end, device=self.device)
