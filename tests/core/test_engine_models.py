@@ -167,3 +167,28 @@ def test_characters_outside_the_vocabulary_are_named_in_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         llm.invoke("4821+3907-1568\n")  # every character known: no warning
+
+
+def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
+    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four long prompts decoded together: their prefills attend over the pass's own keys, and the scheduler keeps
+    room after each row's blocks, so every later step reads each row's history where it lies (no row is ever
+    copied into a batch); each still gives generate()'s tokens."""
+    from ead_llm.core.model_runner import ModelRunner
+
+    units: list = []
+    original = ModelRunner._alone
+    monkeypatch.setattr(
+        ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1]
+    )
+    engine = Engine(llama_pair)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, llama_pair.vocab_size, (150 + 7 * i,), generator=gen).tolist() for i in range(4)]
+    done = engine.generate([Request(p, LargeOnly(), SamplingParams(max_tokens=40)) for p in prompts])
+    for prompt, completion in zip(prompts, done, strict=True):
+        assert list(completion.token_ids) == hf_greedy(llama_pair, Role.LARGE, prompt, 40)
+    fresh = [u for u in units if u is not None and u.span is None]
+    views = [u for u in units if u is not None and u.span is not None]
+    assert len(fresh) == 4 and len(views) == len(units) - 4 >= 4 * 5
+    engine.close()
