@@ -1,9 +1,11 @@
 """Two ideas for a cheaper decode step, measured before building them (one thread, medians of repeats):
 
 1. Attention that reads the paged cache where it lies: per layer, gathering each row's history into a batch
-   and one SDPA call (what the engine does for several rows), against one SDPA call per row on a view of its
-   blocks (possible when a row's blocks are consecutive). SmolLM2-135M's attention shape (9 query heads, 3 KV
-   heads of 64, 30 layers), rows of ``--context`` positions.
+   and one SDPA call (what the engine did for several rows before issue 25), against one SDPA call per row on a
+   view of its blocks (what it does now for a row whose blocks are consecutive), with the cache stored
+   token-major ``[slots, heads, dim]`` (as it was) and head-major ``[heads, slots, dim]`` (as it is).
+   SmolLM2-135M's attention shape (9 query heads, 3 KV heads of 64, 30 layers), rows of ``--context``
+   positions.
 2. A compiled decode step: the embedded pair's large model at batch 1, the fused forward as it is against the
    same layer body compiled with ``torch.compile`` around the paged attention (before and after it).
 
@@ -45,36 +47,62 @@ def median_ms(fn: Callable[[], Any], repeats: int, inner: int) -> list[float]:
 
 
 def attention(rows: int, context: int, repeats: int) -> None:
+    """One decode step's attention, three ways, each layer's keys and values in their own tensors (a step streams
+    them from memory, as the engine's does)."""
     gen = torch.Generator().manual_seed(0)
     stride = context + 128  # each row's blocks lie together, rows apart
-    keys = torch.randn(rows * stride, KV_HEADS, HEAD_DIM, generator=gen)
-    values = torch.randn(rows * stride, KV_HEADS, HEAD_DIM, generator=gen)
+    token_major = [  # [slots, H, D], as the cache stored them before
+        (torch.randn(rows * stride, KV_HEADS, HEAD_DIM, generator=gen), torch.randn(rows * stride, KV_HEADS, HEAD_DIM))
+        for _ in range(LAYERS)
+    ]
+    head_major = [  # [H, slots, D], as it does now
+        (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()) for k, v in token_major
+    ]
     query = torch.randn(rows, HEADS, 1, HEAD_DIM, generator=gen)
-    slots = torch.stack([torch.arange(r * stride, r * stride + context) for r in range(rows)]).reshape(-1)
+    spans = [slice(r * stride, r * stride + context) for r in range(rows)]
+    slots = torch.cat([torch.arange(span.start, span.stop) for span in spans])
 
-    def gathered() -> torch.Tensor:
-        k = keys.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        v = values.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
-        return F.scaled_dot_product_attention(query, k, v, enable_gqa=True)
-
-    def in_place() -> torch.Tensor:
+    def gathered() -> list[torch.Tensor]:
         out = []
-        for r in range(rows):
-            span = slice(r * stride, r * stride + context)
-            k, v = keys[span].transpose(0, 1)[None], values[span].transpose(0, 1)[None]
-            out.append(F.scaled_dot_product_attention(query[r : r + 1], k, v, enable_gqa=True))
-        return torch.cat(out)
+        for keys, values in token_major:
+            k = keys.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            v = values.index_select(0, slots).view(rows, context, KV_HEADS, HEAD_DIM).transpose(1, 2)
+            out.append(F.scaled_dot_product_attention(query, k, v, enable_gqa=True))
+        return out
 
-    a: list[float] = []
-    b: list[float] = []
+    def views(*, head_first: bool) -> Callable[[], list[torch.Tensor]]:
+        def run() -> list[torch.Tensor]:
+            out = []
+            for keys, values in head_major if head_first else token_major:
+                per_row = []
+                for r, span in enumerate(spans):
+                    if head_first:
+                        k, v = keys[:, span][None], values[:, span][None]
+                    else:
+                        k, v = keys[span].transpose(0, 1)[None], values[span].transpose(0, 1)[None]
+                    per_row.append(F.scaled_dot_product_attention(query[r : r + 1], k, v, enable_gqa=True))
+                out.append(torch.cat(per_row))
+            return out
+
+        return run
+
+    ways = {
+        "copied (gather) + one batched SDPA": gathered,
+        "one SDPA per row, token-major views": views(head_first=False),
+        "one SDPA per row, head-major views": views(head_first=True),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):  # alternating; the outputs are compared last (an earlier comparison was seen to slow
-        a += [t * LAYERS for t in median_ms(gathered, 1, 20)]  # the next gathers fivefold in this process)
-        b += [t * LAYERS for t in median_ms(in_place, 1, 20)]
-    same = torch.allclose(gathered(), in_place(), atol=1e-6)
+        for name, way in ways.items():  # the next gathers fivefold in this process)
+            times[name] += median_ms(way, 1, 3)
+    reference = gathered()
+    same = all(
+        all(torch.allclose(a, b, atol=1e-5) for a, b in zip(reference, way(), strict=True)) for way in ways.values()
+    )
     print(f"1. attention of {rows} rows x {context} positions, {LAYERS} layers (one decode step's attention):")
-    print(f"   gather + one batched SDPA: median {statistics.median(a):.1f} ms ({min(a):.1f}-{max(a):.1f})")
-    print(f"   one SDPA per row on views:  median {statistics.median(b):.1f} ms ({min(b):.1f}-{max(b):.1f})")
-    print(f"   saving per step: {statistics.median(a) - statistics.median(b):.1f} ms; same outputs: {same}")
+    for name, values in times.items():
+        print(f"   {name:<38} median {statistics.median(values):.1f} ms ({min(values):.1f}-{max(values):.1f})")
+    print(f"   same outputs: {same}")
 
 
 def _pre(hidden: Any, norm: Any, eps: float, qkv: Any, bias: Any, cos: Any, sin: Any, shape: tuple[int, ...]) -> Any:
