@@ -332,6 +332,7 @@ def outside_forward(engine: Engine, requests: list[Request], repeats: int) -> di
 # -- (d), (e) ---------------------------------------------------------------------------------------
 
 
+@torch.inference_mode()  # as the engine's step runs: its cache holds inference tensors
 def forward_s(runner: ModelRunner, batch: int, repeats: int = 15) -> float:
     """Median seconds of one decode forward of ``runner``'s model over ``batch`` rows of 64 positions (the model
     alone, through the engine's runner, no scheduling or sampling)."""

@@ -6,8 +6,11 @@ position ids, so the projections and MLPs run on real tokens only, decode and ca
 together. Attention is the only part that needs each row's history: the model's attention layers
 call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
-each row over its own positions, decode rows in one ``[B, H, 1, L]`` call and multi-token rows in a
-second. The model's head runs only at the positions someone reads (``logits_to_keep``), so a
+each row over its own positions without copying them where it can: a row whose history is all new (a
+prefill) over the pass's own keys with a causal kernel, a row whose blocks lie in order (the cache keeps
+room for that) over a view of them, one call each; the other rows (EAGER's forks, prompts that took
+cached blocks, short rows, for which one batched call costs less) are copied into a ``[B, H, 1, L]``
+call for decode rows and a second for multi-token rows. The model's head runs only at the positions someone reads (``logits_to_keep``), so a
 2,000-token prefill returns one row of logits, not 2,000.
 
 Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
