@@ -126,6 +126,12 @@ class BlockPool:
     def can_grow(self) -> bool:
         return self.max_blocks is None or self.num_blocks < self.max_blocks
 
+    def may_grow_for(self, want: int) -> bool:
+        """Whether the pool may grow to keep ``want`` blocks in order: within the budget, and only while it holds
+        less than twice what is held and wanted (idle cached blocks are reused before the pool grows past that,
+        so the prefix cache cannot make it grow without end)."""
+        return self.can_grow() and self.num_blocks < max(MIN_BLOCKS, 2 * (self.used + want))
+
     def allocate(self) -> int:
         """A block for one holder: a free unclaimed one, else the least recently used idle cached one
         (forgotten), else a claimed one (its owner's blocks stop being in order), else a new one."""
@@ -146,10 +152,11 @@ class BlockPool:
         self._hold(block)
         return block
 
-    def take(self, block: int, owner: object) -> bool:
+    def take(self, block: int, owner: object, want: int = 1) -> bool:
         """Hand ``owner`` this very block if it is free and not claimed by someone else (the block just past
-        the pool grows it, within the budget); False otherwise."""
-        if block == self.num_blocks and self.can_grow():
+        the pool grows it, as :meth:`may_grow_for` allows for the ``want`` blocks ``owner`` still expects);
+        False otherwise."""
+        if block == self.num_blocks and self.may_grow_for(want):
             self._grow()
         if block >= self.num_blocks or self.state[block] == HELD:
             return False
@@ -168,7 +175,7 @@ class BlockPool:
         at = self.state.find(bytes([FREE]) * want)
         if at >= 0:
             return at
-        if self.can_grow():
+        if self.may_grow_for(want):
             return len(self.state.rstrip(bytes([FREE])))
         while want > 1:
             want //= 2
@@ -181,7 +188,7 @@ class BlockPool:
         """Keep the free unclaimed blocks of ``blocks`` for ``owner``, up to the first that is not (growing the
         pool, within its budget, for a run that reaches its end); returns those claimed."""
         if self.num_blocks < blocks.stop and not self.state[blocks.start :].strip(bytes([FREE])):
-            while self.num_blocks < blocks.stop and self.can_grow():
+            while self.num_blocks < blocks.stop and self.may_grow_for(blocks.stop - self.num_blocks):
                 self._grow()
         stop = blocks.start
         for block in blocks:
@@ -305,21 +312,24 @@ class KVCache:
             self._copy_block(seq.blocks[first], private)
             self.pool.release(seq.blocks[first])
             seq.blocks[first] = private
+        held = len(seq.blocks)
         while len(seq.blocks) < self.blocks_for(length):
             seq.blocks.append(self._next_block(seq))
-        self._claim(seq)
+        if len(seq.blocks) > held:
+            self._claim(seq)
         self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def _next_block(self, seq: SequenceKV) -> int:
         """The block after ``seq``'s last one when it is free for it, else the start of a run with room for all
         ``seq`` may reach (a sequence's first block), else any block."""
         pool = self.pool
+        want = max(1, seq.expect - len(seq.blocks))
         if seq.blocks:
-            if pool.take(seq.blocks[-1] + 1, seq):
+            if pool.take(seq.blocks[-1] + 1, seq, want):
                 return seq.blocks[-1] + 1
         else:
-            start = pool.place(seq.expect)
-            if start is not None and pool.take(start, seq):
+            start = pool.place(want)
+            if start is not None and pool.take(start, seq, want):
                 return start
         return pool.allocate()
 

@@ -10,8 +10,8 @@ each row over its own positions without copying them where it can: a row whose h
 prefill) over the pass's own keys with a causal kernel, a row whose blocks lie in order (the cache keeps
 room for that) over a view of them, one call each; the other rows (EAGER's forks, prompts that took
 cached blocks, short rows, for which one batched call costs less) are copied into a ``[B, H, 1, L]``
-call for decode rows and a second for multi-token rows. The model's head runs only at the positions someone reads (``logits_to_keep``), so a
-2,000-token prefill returns one row of logits, not 2,000.
+call for decode rows and a second for multi-token rows. The model's head runs only at the positions
+someone reads (``logits_to_keep``), so a 2,000-token prefill returns one row of logits, not 2,000.
 
 Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
 (:mod:`ead_llm.core.fused_llama`) that calls the same paged attention; other models through

@@ -179,9 +179,7 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
 
     units: list = []
     original = ModelRunner._alone
-    monkeypatch.setattr(
-        ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1]
-    )
+    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
     engine = Engine(llama_pair)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, llama_pair.vocab_size, (150 + 7 * i,), generator=gen).tolist() for i in range(4)]

@@ -288,3 +288,17 @@ def test_any_mix_of_operations_keeps_the_books_and_the_data(
         assert pool.free_count == sum(1 for state in pool.state if state != 0)
         assert pool.used == len(holders)
         assert budget is None or pool.num_blocks <= -(-budget // 2)
+
+
+def test_room_for_sequences_never_makes_the_pool_outgrow_the_cache() -> None:
+    """Keeping blocks in order may grow the pool only up to twice what is held and wanted: past that, idle cached
+    blocks are reused, so fifty different prompts one after another (each cached, then idle) leave it bounded."""
+    cache = KVCache(1, block_size=2)
+    for i in range(50):
+        seq = SequenceKV()
+        tokens = [i * 100 + t for t in range(20)]
+        cache.reserve(seq, 20, expect=40)
+        seq.length = 20
+        cache.commit(seq, tokens)
+        cache.free(seq)
+    assert cache.pool.num_blocks <= 64 and cache.pool.evictions > 0
