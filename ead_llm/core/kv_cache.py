@@ -8,7 +8,8 @@ a sequence (below), and is released when nothing is held.
 
 Blocks are placed so that a sequence's blocks lie in order where room allows: its history is then, per head, one
 contiguous run that the attention reads where it lies (measured on SmolLM2's shapes, a decode step's attention
-over 4 rows of 1,100 positions: 20.6 ms head-major in place, 26.1 ms token-major in place, 29-70 ms copied first).
+over 4 rows of 1,100 positions: 20.6 ms head-major in place, 25.8 ms token-major in place, 59-67 ms copied
+first; ``benchmarks/step_floor.py``).
 
 A fork (an EAGER path branching off another) shares its parent's blocks; a block is copied only
 when a sequence writes into a block that someone else also holds (copy on write). A rollback
