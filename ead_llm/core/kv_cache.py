@@ -392,13 +392,13 @@ class KVCache:
         keep = self.blocks_for(seq.length)
         if keep == len(seq.blocks):
             return
-        self.pool.unclaim(seq, seq.claimed)
-        for block in reversed(seq.blocks[keep:]):
+        for block in seq.blocks[keep:]:
             self.pool.release(block)
         del seq.blocks[keep:]
         if keep:
             self._claim(seq)  # the blocks it gave back stay its own to take again
         else:
+            self.pool.unclaim(seq, seq.claimed)
             seq.claimed = range(0)
 
     def free(self, seq: SequenceKV) -> None:

@@ -124,7 +124,7 @@ class PackedBatch:
         """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
         layer = int(module.layer_idx)  # type: ignore[arg-type]
         if not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
-            return self._alone(layer, self.alone[0], query, scaling).transpose(1, 2)
+            return self._attend_row(layer, self.alone[0], query, scaling).transpose(1, 2)
         if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # one row, gathered
             group = self.groups[0]
             keys, values = self._keys(layer, group)
@@ -132,7 +132,7 @@ class PackedBatch:
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         for row in self.alone:
-            out[row.queries] = self._alone(layer, row, query, scaling)[0].transpose(0, 1)
+            out[row.queries] = self._attend_row(layer, row, query, scaling)[0].transpose(0, 1)
         for group in self.groups:
             keys, values = self._keys(layer, group)  # [B, Hkv, L, D]
             assert group.query_index is not None and group.packed is not None
@@ -145,7 +145,7 @@ class PackedBatch:
                 out[group.packed] = attended[group.real]
         return out.unsqueeze(0)
 
-    def _alone(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def _attend_row(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
         rows_q = query[:, :, row.queries]
         if row.span is None:
