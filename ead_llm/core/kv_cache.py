@@ -433,11 +433,6 @@ class KVCache:
 
     # -- tensors (the model runner) ------------------------------------------------------------------
 
-    def slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Flat slots of ``positions`` ``[B, N]`` in the sequences whose block tables are ``tables`` ``[B, M]``."""
-        blocks = torch.gather(tables, 1, torch.div(positions, self.block_size, rounding_mode="floor"))
-        return blocks * self.block_size + positions % self.block_size
-
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]``."""
         capacity = self.pool.num_blocks * self.block_size

@@ -301,6 +301,7 @@ class ModelRunner:
             register_attention()
             self.model.set_attn_implementation(ATTENTION)
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
+        self._block_offsets = torch.arange(cache.block_size, device=device)
 
     def execute(self, rows: Sequence[PassRow]) -> RunnerOutput:
         """Run ``rows`` in one pass (bisecting on failure); advance each successful row's cache length."""
@@ -365,49 +366,62 @@ class ModelRunner:
 
     def _pack(self, rows: Sequence[PassRow]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed batch: decode rows first, then multi-token rows; the inputs in that order, and the
-        packed indices of the read positions in ``rows`` order."""
-        news = [len(row.tokens) - row.kv.length for row in rows]
-        for row, new in zip(rows, news, strict=True):
+        packed indices of the read positions in ``rows`` order. One loop over the rows, O(1) per decode row
+        (this runs every pass, on the thread that launches the forward)."""
+        decode_rows: list[int] = []
+        multi_rows: list[int] = []
+        for i, row in enumerate(rows):
+            new = len(row.tokens) - row.kv.length
             if new <= 0:
                 raise RuntimeError("the runner was asked for logits with no new token to feed")
             if not 1 <= row.read <= new:
                 raise RuntimeError(f"a row reads {row.read} positions but feeds {new}")
-        order = sorted(range(len(rows)), key=lambda i: news[i] > 1)  # decode rows first (stable)
+            (decode_rows if new == 1 else multi_rows).append(i)
+        order = decode_rows + multi_rows  # decode rows first, each part in the rows' order
+        only = len(order) == 1
         size = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        offsets = [0]
-        firsts: list[int | None] = []
-        for i in order:
-            row = rows[i]
-            start, blocks, end = row.kv.length, row.kv.blocks, len(row.tokens)
-            ids.extend(row.tokens[start:])
-            positions.extend(range(start, end))
-            first = in_order(blocks, -(-end // size))
-            if first is not None:  # the row's slots are consecutive too
-                slots.extend(range(first * size + start, first * size + end))
-            else:
-                slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            firsts.append(first)
-            offsets.append(len(ids))
-        inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
-        ordered = [rows[i] for i in order]
-        counts = [news[i] for i in order]
+        ordered: list[PassRow] = []
+        offsets: list[int] = []  # packed offset of each ordered row
+        counts: list[int] = []
         alone: list[RowAttention] = []
-        decode: list[int] = []
-        multi: list[int] = []
-        for b, row in enumerate(ordered):
-            unit = self._alone(row, offsets[b], counts[b], firsts[b], only=len(order) == 1)
+        gathered: tuple[list[int], list[int]] = ([], [])  # ordered indices of gathered decode / multi rows
+        ends = [0] * len(rows)  # packed end of each row, in rows order
+        at = 0
+        for b, i in enumerate(order):
+            row = rows[i]
+            tokens, start, blocks = row.tokens, row.kv.length, row.kv.blocks
+            end = len(tokens)
+            count = end - start
+            ordered.append(row)
+            offsets.append(at)
+            counts.append(count)
+            # the row's first block when its blocks up to ``end`` lie in order (read in place, slots in a range)
+            first = in_order(blocks, -(-end // size)) if count > 1 or only or end >= VIEW_MIN else None
+            if count == 1:
+                ids.append(tokens[start])
+                positions.append(start)
+                slots.append(blocks[start // size] * size + start % size)
+            else:
+                ids.extend(tokens[start:])
+                positions.extend(range(start, end))
+                if first is not None:
+                    slots.extend(range(first * size + start, first * size + end))
+                else:
+                    slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+            unit = self._alone(row, at, count, first, only=only)
             if unit is not None:
                 alone.append(unit)
             else:
-                (decode if counts[b] == 1 else multi).append(b)
+                gathered[count > 1].append(b)
+            at += count
+            ends[i] = at
+        inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
         groups = [
-            self._group(
-                [ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=len(order) == 1
-            )
-            for part in (decode, multi)
+            self._group([ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=only)
+            for part in gathered
             if part
         ]
         batch = PackedBatch(
@@ -419,11 +433,12 @@ class ModelRunner:
             blocks=tuple(row.kv.blocks for row in ordered),
             alone=tuple(alone),
         )
-        where = {i: b for b, i in enumerate(order)}
-        keep: list[int] = []
-        for i, row in enumerate(rows):
-            end = offsets[where[i] + 1]
-            keep.extend(range(end - row.read, end))
+        if not multi_rows and all(row.read == 1 for row in rows):  # a decode pass: one read per row
+            keep = [end - 1 for end in ends]
+        else:
+            keep = []
+            for row, end in zip(rows, ends, strict=True):
+                keep.extend(range(end - row.read, end))
         return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device)
 
     def _alone(self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool) -> RowAttention | None:
@@ -432,19 +447,16 @@ class ModelRunner:
         or its blocks lie in order and it is long (or the only row); None: it is gathered with the others."""
         start = row.kv.length
         end = start + count
-        queries = slice(offset, offset + count)
         if start == 0:
-            return RowAttention(queries, None, None)
-        if not only and end < VIEW_MIN:
-            return None
-        if first is None:
+            return RowAttention(slice(offset, offset + count), None, None)
+        if first is None or (not only and end < VIEW_MIN):
             return None
         size = self.cache.block_size
         mask = None
         if count > 1:  # each new token sees the positions up to its own
             key_pos = torch.arange(end, device=self.device)
             mask = (key_pos[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
-        return RowAttention(queries, slice(first * size, first * size + end), mask)
+        return RowAttention(slice(offset, offset + count), slice(first * size, first * size + end), mask)
 
     def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
         """The attention of ``rows`` (whose ``counts`` packed tokens start at ``offsets``); ``whole``: they are
@@ -460,13 +472,14 @@ class ModelRunner:
             device=device,
         )  # [B, M]
         end = torch.tensor(ends, dtype=torch.long, device=device)
-        positions = torch.arange(length, device=device)
-        key_slots = self.cache.slots(tables, torch.minimum(positions[None, :], end[:, None] - 1))  # [B, L]
+        # each row reads its own slots only: positions past its end repeat its last one (masked, but another
+        # sequence's values there could be anything, and 0 * NaN is NaN)
+        own = torch.minimum(torch.arange(length, device=device), end[:, None] - 1)  # [B, L]
+        key_slots = (tables[:, :, None] * size + self._block_offsets).view(len(rows), -1).gather(1, own)  # [B, L]
         if width == 1:
             mask = None
             if min(ends) < length:  # some rows are shorter: hide the positions past their end
-                end = torch.tensor(ends, dtype=torch.long, device=device)
-                mask = (torch.arange(length, device=device)[None, :] < end[:, None])[:, None, None, :]
+                mask = (torch.arange(length, device=device) < end[:, None])[:, None, None, :]
             if whole:
                 return AttentionGroup(None, key_slots, mask, None, None)
             index = torch.tensor(offsets, dtype=torch.long, device=device)

@@ -7,7 +7,7 @@ as it reads its events.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -24,6 +24,23 @@ class TextDecoder(Protocol):
     ) -> str | list[str]: ...
 
 
+def text_of(tokenizer: TextDecoder) -> Callable[[list[int]], str]:
+    """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)``: straight to a fast tokenizer's Rust
+    backend when its wrapper would only pass the call on (no clean-up of spaces), which is most of a decode's
+    cost for one token (this runs twice per generated token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        decode = backend.decode
+        return lambda ids: decode(ids, skip_special_tokens=True)
+
+    def wrapped(ids: list[int]) -> str:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
+
+    return wrapped
+
+
 class IncrementalDetokenizer:
     """Turns generated token ids into text pieces, one call per token.
 
@@ -33,20 +50,19 @@ class IncrementalDetokenizer:
     it no longer ends in an incomplete character.
     """
 
-    def __init__(self, tokenizer: TextDecoder, context: Sequence[int] = ()) -> None:
+    def __init__(
+        self, tokenizer: TextDecoder, context: Sequence[int] = (), *, text: Callable[[list[int]], str] | None = None
+    ) -> None:
+        """``text``: :func:`text_of` ``tokenizer``, when the caller has it already."""
         self._tokenizer = tokenizer
+        self._decode = text or text_of(tokenizer)
         self._ids: list[int] = list(context[-6:])
         self._prefix = 0
         self._read = len(self._ids)
 
-    def _decode(self, ids: list[int]) -> str:
-        text = self._tokenizer.decode(ids, skip_special_tokens=True)
-        assert isinstance(text, str)
-        return text
-
     def clone(self) -> IncrementalDetokenizer:
         """An independent copy sharing the tokenizer (a branched path continues from the same state)."""
-        twin = IncrementalDetokenizer(self._tokenizer)
+        twin = IncrementalDetokenizer(self._tokenizer, text=self._decode)
         twin._ids, twin._prefix, twin._read = list(self._ids), self._prefix, self._read
         return twin
 

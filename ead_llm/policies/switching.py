@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ead_llm.core.policy import Decoder, ForkRoom, Policy, SequenceView
@@ -89,10 +89,10 @@ class EAD(Policy):
         window = (*state.window, entropy)[-self.window :]
         since = state.since_switch + 1
         if since < self.min_dwell:
-            return replace(state, since_switch=since, window=window)
+            return EADState(state.active, since, window)
         target = ead_target(rolling_mean(window), self.threshold)
         if target is state.active:
-            return replace(state, since_switch=since, window=window)
+            return EADState(state.active, since, window)
         return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
 
     def counters(self) -> tuple[str, ...]:

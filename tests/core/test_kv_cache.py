@@ -10,13 +10,17 @@ from hypothesis import strategies as st
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV, block_hashes
 
 
+def slots_of(cache: KVCache, seq: SequenceKV, positions: range) -> torch.Tensor:
+    """The flat slots of ``positions`` of ``seq``, by the cache's documented layout."""
+    size = cache.block_size
+    return torch.tensor([seq.blocks[p // size] * size + p % size for p in positions], dtype=torch.long)
+
+
 def write_positions(cache: KVCache, seq: SequenceKV, values: list[float]) -> None:
     """Write one number per position (as a [T, 1, 1] key and value) after what ``seq`` holds."""
     start = seq.length
     cache.reserve(seq, start + len(values))
-    table = torch.tensor([seq.blocks])
-    positions = torch.arange(start, start + len(values))[None]
-    slots = cache.slots(table, positions)[0]
+    slots = slots_of(cache, seq, range(start, start + len(values)))
     data = torch.tensor(values, dtype=torch.float32).view(-1, 1, 1)
     for layer in range(cache.layers):
         cache.write(layer, slots, data + layer, data + layer)
@@ -24,7 +28,7 @@ def write_positions(cache: KVCache, seq: SequenceKV, values: list[float]) -> Non
 
 
 def read_positions(cache: KVCache, seq: SequenceKV, layer: int = 0) -> list[float]:
-    slots = cache.slots(torch.tensor([seq.blocks]), torch.arange(seq.length)[None])
+    slots = slots_of(cache, seq, range(seq.length))[None]
     keys, values = cache.gather(layer, slots)  # [1, 1, L, 1]
     assert torch.equal(keys, values)
     return keys.flatten().tolist()

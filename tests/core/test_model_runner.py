@@ -60,6 +60,31 @@ def test_packed_passes_match_the_models_own_logits(
     assert runner.model.generate(torch.tensor([seqs[0][:3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
 
 
+@torch.inference_mode()
+def test_a_gathered_row_reads_only_its_own_slots(pair: ModelPair) -> None:
+    """Short rows copied into one batched call read nothing of the cache but their own positions: with every
+    other slot poisoned (NaN, as a broken neighbour or uninitialised storage would leave it), including the
+    rest of their own last block and the blocks a shorter row's table is padded to, their logits are the
+    model's own."""
+    runner = _runner(pair)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (5, 14, 9)]
+    want = [runner.model(input_ids=torch.tensor([s])).logits[0, -1, : pair.vocab_size].float() for s in seqs]
+    kvs = [SequenceKV() for _ in seqs]
+    for kv, tokens in zip(kvs, seqs, strict=True):  # each prefilled alone, all but its last token
+        runner.cache.reserve(kv, len(tokens))
+        runner.execute([PassRow(kv, tokens[:-1])])
+    size = runner.cache.block_size
+    owned = {kv.blocks[p // size] * size + p % size for kv in kvs for p in range(kv.length)}
+    for tensor in (*runner.cache.keys, *runner.cache.values):
+        poison = torch.ones(tensor.shape[1], dtype=torch.bool)
+        poison[sorted(owned)] = False
+        tensor[:, poison] = float("nan")
+    out = runner.execute([PassRow(kv, tokens) for kv, tokens in zip(kvs, seqs, strict=True)])  # decodes, gathered
+    for r, expected in enumerate(want):
+        assert torch.allclose(out.rows(r)[-1], expected, atol=1e-4)
+
+
 def test_a_failing_row_is_isolated_and_the_rest_run(llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch) -> None:
     runner = _runner(llama_pair)
     seqs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ead_llm.core.output import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix
+from ead_llm.core.output import IncrementalDetokenizer, StopMatcher, first_stop, held_suffix, text_of
 from ead_llm.testing.tiny import byte_bpe_tokenizer, char_tokenizer
 from tests.tiny_pairs import BPE_CORPUS
 
@@ -44,6 +44,19 @@ def test_detokenizer_char_level_skips_special_tokens() -> None:
     ids = [*tok.encode("12 +3", add_special_tokens=False), tok.eos_token_id]
     detok = IncrementalDetokenizer(tok, [tok.bos_token_id])
     assert [detok.push(t) for t in ids] == ["1", "2", " ", "+", "3", ""]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 319), max_size=12), st.booleans())
+def test_fast_decode_is_the_tokenizers_own(bpe, ids: list[int], clean_up: bool) -> None:
+    """The detokenizer's shortcut to the Rust backend gives what ``tokenizer.decode`` gives (special tokens,
+    partial characters and all), and is not taken where the wrapper would clean up spaces."""
+    bpe.clean_up_tokenization_spaces = clean_up
+    try:
+        assert text_of(bpe)(ids) == bpe.decode(ids, skip_special_tokens=True)
+        assert (text_of(bpe).__name__ == "wrapped") is clean_up
+    finally:
+        bpe.clean_up_tokenization_spaces = False
 
 
 def test_first_stop_prefers_earliest_end() -> None:
