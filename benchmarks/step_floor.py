@@ -109,13 +109,11 @@ def _pre(hidden: Any, norm: Any, eps: float, qkv: Any, bias: Any, cos: Any, sin:
     heads, kv_heads, dim = shape
     tokens = hidden.shape[1]
     x = F.rms_norm(hidden, norm.shape, norm, eps)
-    q, k, v = F.linear(x, qkv, bias).split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    q = q.view(1, tokens, heads, dim).transpose(1, 2)
-    k = k.view(1, tokens, kv_heads, dim).transpose(1, 2)
-    v = v.view(1, tokens, kv_heads, dim).transpose(1, 2)
-    q = (q * cos) + (fused_llama.rotate_half(q) * sin)
-    k = (k * cos) + (fused_llama.rotate_half(k) * sin)
-    return q, k, v
+    out = F.linear(x, qkv, bias)
+    qk = out[..., : (heads + kv_heads) * dim].view(1, tokens, heads + kv_heads, dim).transpose(1, 2)
+    qk = fused_llama.rotary(qk, cos, sin)  # sin comes signed, as FusedLlama hands it to its layers
+    v = out[..., (heads + kv_heads) * dim :].view(1, tokens, kv_heads, dim).transpose(1, 2)
+    return qk[:, :heads], qk[:, heads:], v
 
 
 def _post(hidden: Any, attended: Any, layer: fused_llama.FusedLayer) -> Any:

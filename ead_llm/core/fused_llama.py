@@ -55,9 +55,16 @@ def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * (hidden * torch.rsqrt(variance + eps)).to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == x.roll(D // 2, -1) * signed_sin(sin)`` bit
+    for bit (``-(a * b) == (-a) * b`` in floating point), in two operations instead of five."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` (``sin_signed``: :func:`signed_sin` of ``sin``)."""
+    return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * sin_signed)
 
 
 def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -101,18 +108,18 @@ class FusedLayer:
         self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon))
-        self.split = (self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.qk_width = (self.heads + self.kv_heads) * self.head_dim  # q and k lie side by side in qkv's output
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
-        """``hidden``: [1, T, hidden]; ``cos``/``sin``: [1, 1, T, D]."""
+        """``hidden``: [1, T, hidden]; ``cos``/``sin``: [1, 1, T, D] (``sin`` as :func:`signed_sin` gives it)."""
         tokens = hidden.shape[1]
         x = rms_norm(hidden, *self.input_norm)
-        q, k, v = F.linear(x, self.qkv, self.qkv_bias).split(self.split, dim=-1)
-        q = q.view(1, tokens, self.heads, self.head_dim).transpose(1, 2)  # [1, H, T, D]
-        k = k.view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
-        v = v.view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = (q * cos) + (rotate_half(q) * sin)
-        k = (k * cos) + (rotate_half(k) * sin)
+        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        # rotary on q and k together: each head's positions are rotated alike
+        qk = qkv[..., : self.qk_width].view(1, tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        qk = rotary(qk, cos, sin)  # [1, H + Hkv, T, D]
+        q, k = qk[:, : self.heads], qk[:, self.heads :]
+        v = qkv[..., self.qk_width :].view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
         batch.write(self.index, k, v)
         attended = batch.attend(self.attention, q, self.scaling)  # [1, T, H, D]
         hidden = hidden + F.linear(attended.reshape(1, tokens, -1).contiguous(), self.o, self.o_bias)
@@ -139,7 +146,7 @@ class FusedLlama:
         """``ids``, ``positions``: [T]; ``keep``: [N] packed indices read -> logits [N, V] (model dtype)."""
         hidden = F.embedding(ids, self.embedding)[None]  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions[None])  # [1, T, D]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, batch)
         hidden = rms_norm(hidden[:, keep], *self.norm)
