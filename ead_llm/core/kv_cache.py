@@ -303,22 +303,24 @@ class KVCache:
         """Give ``seq`` blocks for positions up to ``length``, and a private copy of any shared block
         it will write into; raises :class:`OutOfBlocks` (holding what it already had) when full.
         ``expect``: the most positions ``seq`` may reach, for which room after its blocks is kept."""
+        size = self.block_size
         if expect is not None:
-            seq.expect = self.blocks_for(max(expect, length))
+            seq.expect = -(-max(expect, length) // size)
         if length <= seq.length:
             return
-        first = seq.length // self.block_size
-        if first < len(seq.blocks) and self._shared(seq.blocks[first]):
+        blocks = seq.blocks
+        first = seq.length // size
+        if first < len(blocks) and self._shared(blocks[first]):
             private = self.pool.allocate()
-            self._copy_block(seq.blocks[first], private)
-            self.pool.release(seq.blocks[first])
-            seq.blocks[first] = private
-        held = len(seq.blocks)
-        while len(seq.blocks) < self.blocks_for(length):
-            seq.blocks.append(self._next_block(seq))
-        if len(seq.blocks) > held:
+            self._copy_block(blocks[first], private)
+            self.pool.release(blocks[first])
+            blocks[first] = private
+        need = -(-length // size)
+        if len(blocks) < need:  # (most calls, a decode step inside its last block, end here)
+            while len(blocks) < need:
+                blocks.append(self._next_block(seq))
             self._claim(seq)
-        self.peak_blocks = max(self.peak_blocks, self.pool.used)
+            self.peak_blocks = max(self.peak_blocks, self.pool.used)
 
     def _next_block(self, seq: SequenceKV) -> int:
         """The block after ``seq``'s last one when it is free for it, else the start of a run with room for all
