@@ -15,7 +15,10 @@ both sides unless ``--threads`` says otherwise.
     with EAD, and the pair of (b) sampled).
 (d) EAD at 16 concurrent callers against the same 16 requests one at a time (embedded pair), and that
     speed-up as a share of what batching 16 rows can give at most on these models in this run,
-    ``16 * t(1) / t(16)`` (``t``: a decode forward of each model, through the engine's runner).
+    ``16 * t(1) / t(16)`` (``t``: a decode forward of each model, through the engine's runner). EAD feeds every
+    token to both models (the one not writing catches up later, several tokens in one pass, which alone costs
+    about one decode forward), so that speed-up also shows what one caller alone already gains; the last (d)
+    figure is the 16 callers' tokens/s against the ceiling the models allow for that work, ``16 / t(16)``.
 (e) EAD with lookahead (window 1, dwell 1, 0.05 bits) against the measured-time ideal
     ``f_L * t_L + (1 - f_L) * t_S`` (t_S, t_L: SmallOnly's and LargeOnly's time per token).
 
@@ -61,6 +64,7 @@ GOALS = {
     "a_invoke_speculative_adaptive": (">=", 1.5),
     "d_ead_16_callers": (">=", 5.0),
     "d_share_of_batching_headroom": (">=", 0.8),
+    "d_share_of_batch16_ceiling": (">=", 0.8),
     "e_lookahead_vs_ideal": ("<=", 1.2),
 }
 
@@ -360,15 +364,15 @@ def forward_s(runner: ModelRunner, batch: int, repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def batching_headroom(engine: Engine, callers: int) -> float:
-    """What batching ``callers`` rows can gain at most, from the models themselves: ``callers * t(1) / t(callers)``,
-    with ``t`` one decode forward of each model of the pair."""
+def forward_times(engine: Engine, callers: int) -> tuple[float, float]:
+    """``t(1)`` and ``t(callers)``: one decode forward of each model of the pair, added up, at 1 and ``callers``
+    rows."""
     alone = sum(forward_s(runner, 1) for runner in engine.runners.values())
     together = sum(forward_s(runner, callers) for runner in engine.runners.values())
-    return callers * alone / together
+    return alone, together
 
 
-def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[str, float]:
+def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[str, Any]:
     def alone() -> int:
         return sum(len(engine.generate([r])[0].token_ids) for r in requests)
 
@@ -387,12 +391,15 @@ def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[s
             thread.join()
         return sum(counts)
 
-    ratios, shares = [], []
+    callers = len(requests)
+    ratios, shares, ceilings = [], [], []
     for _ in range(repeats):
         a, b = timed(alone), timed(together)
         ratios.append((b[1] / b[0]) / (a[1] / a[0]))
-        shares.append(ratios[-1] / batching_headroom(engine, len(requests)))
-    return {"speed_up": spread(ratios), "share_of_headroom": spread(shares)}
+        t1, t16 = forward_times(engine, callers)
+        shares.append(ratios[-1] / (callers * t1 / t16))
+        ceilings.append((b[1] / b[0]) / (callers / t16))
+    return {"speed_up": spread(ratios), "share_of_headroom": spread(shares), "share_of_ceiling": spread(ceilings)}
 
 
 def lookahead_vs_ideal(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
@@ -459,6 +466,7 @@ def main() -> None:
     report["d"] = d
     report["ratios"]["d_ead_16_callers"] = d["speed_up"]
     report["ratios"]["d_share_of_batching_headroom"] = d["share_of_headroom"]
+    report["ratios"]["d_share_of_batch16_ceiling"] = d["share_of_ceiling"]
     e = lookahead_vs_ideal(embedded, prompts, args.max_tokens, args.repeats)
     report["e"] = e
     report["ratios"]["e_lookahead_vs_ideal"] = e["ratio"]
