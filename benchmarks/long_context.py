@@ -7,6 +7,10 @@ one thread on both sides, prefix caching off (every prompt differs anyway).
    attention could gain.
 2. One prompt at each of ``--scale`` contexts: the median decode step, ours and theirs, and the cost added per
    thousand tokens of context between consecutive sizes (linear growth keeps it about constant).
+3. ``--rows`` prompts that share all but their last 64 tokens (a long system prompt, as agents send): the median
+   decode step with prefix caching on (the shared blocks are read from the cache, so a row's blocks are not all in
+   one run) against the same call with it off, and transformers' step on the same prompts; the same greedy tokens
+   each way.
 
 Step times come from timestamps taken as each step's tokens appear: our stream's events, and a logits processor on
 their side (called once per step, after the forward). Medians over ``--repeats`` runs, spread in brackets.
@@ -159,6 +163,34 @@ def scale_figures(engine: Engine, model: Any, tokenizer: Any, sizes: list[int], 
         previous = (size, mine, other)
 
 
+def shared_prefix_figures(
+    engine: Engine, model: Any, tokenizer: Any, rows: int, context: int, tokens: int, repeats: int
+) -> None:
+    own = 64
+    prefix = prompts(tokenizer, 1, context - own)[0]
+    batch = [prefix + tail[:own] for tail in prompts(tokenizer, rows, own + 8)]
+    figures: dict[str, list[float]] = {"cached": [], "not cached": [], "theirs": []}
+    texts: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        for name, caching in (("cached", True), ("not cached", False)):
+            engine.prefix_caching = caching
+            if caching:
+                warm = Request([*prefix, batch[0][-1]], LargeOnly(), SamplingParams(max_tokens=1))
+                engine.generate([warm])  # the system prompt is cached by an earlier call
+            _, step, texts[name] = ours(engine, batch, tokens)
+            figures[name].append(step)
+        _, step, texts["theirs"] = theirs(model, batch, tokens)
+        figures["theirs"].append(step)
+    engine.prefix_caching = False
+    print(f"3. {rows} prompts x {context} tokens sharing the first {context - own}, {tokens} new tokens each:")
+    print(
+        f"   decode step ms: prefix caching on {show(figures['cached'])}   off {show(figures['not cached'])}   "
+        f"theirs {show(figures['theirs'])}"
+    )
+    same = sum(a == b for a, b in zip(texts["cached"], texts["theirs"], strict=True))
+    print(f"   rows with the same greedy tokens as generate(), cached: {same}/{rows}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
@@ -167,6 +199,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scale", type=int, nargs="*", default=[512, 1024, 2048, 4096])
     parser.add_argument("--scale-tokens", type=int, default=32)
+    parser.add_argument("--no-shared-prefix", action="store_true", help="skip part 3")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     engine = Engine(load_pair(LoadConfig(small=smollm2.early_exit_draft(), large=smollm2.full_model(), device="cpu")))
@@ -178,6 +211,8 @@ def main() -> None:
             batch_figures(engine, model, prompts(tokenizer, args.rows, args.context), args.tokens, args.repeats)
         if args.scale:
             scale_figures(engine, model, tokenizer, args.scale, args.scale_tokens, args.repeats)
+        if args.rows and not args.no_shared_prefix:
+            shared_prefix_figures(engine, model, tokenizer, args.rows, args.context, args.tokens, args.repeats)
     finally:
         engine.close()
 
