@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ead_llm.accounting.ledger import forward_flops, parameter_ratio
-from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits
+from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits, sorted_descending
 
 
 def kept(logits: torch.Tensor, top_p: float | list[float] = 1.0, top_k: int | list[int] = 0) -> list:
@@ -101,3 +101,18 @@ def test_forward_flops_hand_computed() -> None:
         for p in range(5)
     )
     assert one == steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sorted_descending_is_torch_sort(dtype: torch.dtype) -> None:
+    """The CPU shortcut through numpy gives ``torch.sort``'s values in its order: ties, masked tokens (-inf), a
+    NaN (first, as torch puts it), negative zeros, in every dtype the sampler may hand it."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.round(torch.randn(4, 5000, generator=gen) * 4) / 4  # many equal values
+    rows[1, :1000] = -math.inf
+    rows[2, 7] = math.nan
+    rows[3, :50] = -0.0
+    rows = rows.to(dtype)
+    got, want = sorted_descending(rows), torch.sort(rows, dim=-1, descending=True).values
+    assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
