@@ -49,16 +49,14 @@ def _nucleus_floor(
     likely, or all), their weights (float32, as the caller computes them) and the row's total weight (float64):
     the last value whose strictly more likely tokens hold less than ``top_p`` of ``total``. NaN where the edge
     lies past the C values given (the caller looks further); -inf where ``top_p >= 1``."""
-    before = torch.cumsum(weights.double(), dim=-1) - weights.double()  # mass sorted before each
-    starts = torch.ones_like(values, dtype=torch.bool)
-    starts[..., 1:] = values[..., 1:] != values[..., :-1]
-    index = torch.arange(values.shape[-1], device=values.device).expand_as(values)
-    first = torch.where(starts, index, 0).cummax(dim=-1).values  # the first position of each value's tie group
+    # The first position whose strictly earlier tokens hold top_p of the mass is dropped, with everything after it,
+    # unless it ties with the token before it: then that tie group is kept whole (its first token's earlier mass
+    # is less) and the next group is the first dropped. Either way the floor is the value just before it.
+    mass = torch.cumsum(weights.double(), dim=-1)  # [..., C]: mass up to and including each
     threshold = (top_p.to(torch.float64) * total)[..., None]
-    dropped = before.gather(-1, first) >= threshold  # [..., C]: monotone, False then True
-    kept = (~dropped).sum(-1, keepdim=True)  # positions kept (>= 1: the top group's mass before it is 0)
-    floor = values.gather(-1, (kept - 1).clamp(min=0)).squeeze(-1)
-    floor = torch.where(dropped.any(-1), floor, torch.nan)  # every given value kept: the edge may lie further
+    edge = 1 + (mass[..., :-1] < threshold).sum(-1, keepdim=True)  # [..., 1]: first position dropped, C if none
+    floor = values.gather(-1, edge - 1).squeeze(-1)
+    floor = torch.where(edge.squeeze(-1) < values.shape[-1], floor, torch.nan)  # all kept: the edge may lie further
     return torch.where(top_p.to(floor.dtype) >= 1.0, -torch.inf, floor)
 
 
