@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -26,11 +29,17 @@ class TextDecoder(Protocol):
 
 def text_of(tokenizer: TextDecoder) -> Callable[[list[int]], str]:
     """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=True)``: straight to a fast tokenizer's Rust
-    backend when its wrapper would only pass the call on (no clean-up of spaces), which is most of a decode's
-    cost for one token (this runs twice per generated token)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-        decode = backend.decode
+    backend when transformers' wrapper would only pass the call on (its own ``decode``, no clean-up of spaces),
+    which is most of a decode's cost for one token (this runs twice per generated token)."""
+    kind = type(tokenizer)
+    plain = (
+        issubclass(kind, TokenizersBackend)
+        and kind.decode is PreTrainedTokenizerBase.decode
+        and kind._decode is TokenizersBackend._decode
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    )
+    if plain:
+        decode = tokenizer.backend_tokenizer.decode  # type: ignore[attr-defined]
         return lambda ids: decode(ids, skip_special_tokens=True)
 
     def wrapped(ids: list[int]) -> str:

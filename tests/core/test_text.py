@@ -59,6 +59,21 @@ def test_fast_decode_is_the_tokenizers_own(bpe, ids: list[int], clean_up: bool) 
         bpe.clean_up_tokenization_spaces = False
 
 
+def test_fast_decode_is_not_taken_past_a_subclass_that_decodes_its_own_way(bpe) -> None:
+    """A tokenizer class that overrides ``_decode`` keeps its own text (the shortcut would skip it)."""
+
+    class Shouting(type(bpe)):  # type: ignore[misc]
+        def _decode(self, token_ids: list[int], **kwargs: object) -> str:
+            return super()._decode(token_ids, **kwargs).upper()
+
+    bpe.__class__ = Shouting
+    try:
+        ids = bpe.encode("the fox", add_special_tokens=False)
+        assert text_of(bpe)(ids) == "THE FOX" == bpe.decode(ids, skip_special_tokens=True)
+    finally:
+        bpe.__class__ = Shouting.__mro__[1]
+
+
 def test_first_stop_prefers_earliest_end() -> None:
     assert first_stop("abcd", ["abcd", "bc"]) == 1
     assert first_stop("xxabyy", ["ab", "xab"]) == 1  # same end: the longer one
