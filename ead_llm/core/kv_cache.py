@@ -292,7 +292,7 @@ class KVCache:
     # -- bookkeeping (the scheduler) ---------------------------------------------------------------
 
     def blocks_for(self, positions: int) -> int:
-        return math.ceil(positions / self.block_size)
+        return -(-positions // self.block_size)  # ceil, in integers
 
     def can_hold(self, extra_blocks: int) -> bool:
         """Whether ``extra_blocks`` more blocks can be handed out now."""
@@ -303,19 +303,18 @@ class KVCache:
         """Give ``seq`` blocks for positions up to ``length``, and a private copy of any shared block
         it will write into; raises :class:`OutOfBlocks` (holding what it already had) when full.
         ``expect``: the most positions ``seq`` may reach, for which room after its blocks is kept."""
-        size = self.block_size
         if expect is not None:
-            seq.expect = -(-max(expect, length) // size)
+            seq.expect = self.blocks_for(max(expect, length))
         if length <= seq.length:
             return
         blocks = seq.blocks
-        first = seq.length // size
+        first = seq.length // self.block_size
         if first < len(blocks) and self._shared(blocks[first]):
             private = self.pool.allocate()
             self._copy_block(blocks[first], private)
             self.pool.release(blocks[first])
             blocks[first] = private
-        need = -(-length // size)
+        need = self.blocks_for(length)
         if len(blocks) < need:  # (most calls, a decode step inside its last block, end here)
             while len(blocks) < need:
                 blocks.append(self._next_block(seq))

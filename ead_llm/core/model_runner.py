@@ -399,7 +399,7 @@ class ModelRunner:
             offsets.append(at)
             counts.append(count)
             # the row's first block when its blocks up to ``end`` lie in order (read in place, slots in a range)
-            first = in_order(blocks, -(-end // size)) if count > 1 or only or end >= VIEW_MIN else None
+            first = in_order(blocks, self.cache.blocks_for(end)) if count > 1 or only or end >= VIEW_MIN else None
             if count == 1:
                 ids.append(tokens[start])
                 positions.append(start)
@@ -433,7 +433,7 @@ class ModelRunner:
             blocks=tuple(row.kv.blocks for row in ordered),
             alone=tuple(alone),
         )
-        if not multi_rows and all(row.read == 1 for row in rows):  # a decode pass: one read per row
+        if not multi_rows:  # a decode pass: one read per row (1 <= read <= new, checked above)
             keep = [end - 1 for end in ends]
         else:
             keep = []
@@ -465,21 +465,22 @@ class ModelRunner:
         starts = [row.kv.length for row in rows]
         ends = [s + c for s, c in zip(starts, counts, strict=True)]
         width, length = max(counts), max(ends)
-        used = -(-length // size)
+        used = self.cache.blocks_for(length)
         tables = torch.tensor(
             [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows],
             dtype=torch.long,
             device=device,
         )  # [B, M]
         end = torch.tensor(ends, dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device)
         # each row reads its own slots only: positions past its end repeat its last one (masked, but another
         # sequence's values there could be anything, and 0 * NaN is NaN)
-        own = torch.minimum(torch.arange(length, device=device), end[:, None] - 1)  # [B, L]
+        own = torch.minimum(positions, end[:, None] - 1)  # [B, L]
         key_slots = (tables[:, :, None] * size + self._block_offsets).view(len(rows), -1).gather(1, own)  # [B, L]
         if width == 1:
             mask = None
             if min(ends) < length:  # some rows are shorter: hide the positions past their end
-                mask = (torch.arange(length, device=device) < end[:, None])[:, None, None, :]
+                mask = (positions < end[:, None])[:, None, None, :]
             if whole:
                 return AttentionGroup(None, key_slots, mask, None, None)
             index = torch.tensor(offsets, dtype=torch.long, device=device)
@@ -488,8 +489,7 @@ class ModelRunner:
         cols = torch.arange(width, device=device)
         last = torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
         query_pos = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + last  # [B, W]
-        keys = torch.arange(length, device=device)
-        mask = (keys[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
+        mask = (positions[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
         if whole:
             return AttentionGroup(None, key_slots, mask, None, None)
         offset = torch.tensor(offsets, dtype=torch.long, device=device)

@@ -88,12 +88,11 @@ class EAD(Policy):
     def advance(self, state: EADState, role: Role, entropy: float) -> EADState:
         window = (*state.window, entropy)[-self.window :]
         since = state.since_switch + 1
-        if since < self.min_dwell:
-            return EADState(state.active, since, window)
-        target = ead_target(rolling_mean(window), self.threshold)
-        if target is state.active:
-            return EADState(state.active, since, window)
-        return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
+        if since >= self.min_dwell:
+            target = ead_target(rolling_mean(window), self.threshold)
+            if target is not state.active:
+                return EADState(active=target, since_switch=0, window=() if self.reset_window_on_switch else window)
+        return EADState(state.active, since, window)
 
     def counters(self) -> tuple[str, ...]:
         return ("withheld_tokens",) if self.lookahead else ()
