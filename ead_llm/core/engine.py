@@ -78,9 +78,19 @@ class Engine(Frontend):
         self.kv_budget_tokens = kv_budget_tokens
         self.kv_block_size = check_int("kv_block_size", kv_block_size, minimum=1)
         self.caches = self._caches()
+        large = self.caches[Role.LARGE]
         self.runners = {
-            role: ModelRunner(pair.model(role), pair.device, pair.vocab_size, self.caches[role]) for role in Role
+            role: ModelRunner(
+                pair.model(role),
+                pair.device,
+                pair.vocab_size,
+                self.caches[role],
+                target_cache=large if role is Role.SMALL else None,
+            )
+            for role in Role
         }
+        if self.runners[Role.SMALL].reads_features:  # a draft on the target's hidden states (EAGLE-style)
+            self.runners[Role.LARGE].keep_features(pair.large.info.source)
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         self.inputs = InputProcessor(pair, self.max_positions)
@@ -222,8 +232,12 @@ class Engine(Frontend):
     def _pass(self, plan: PassPlan) -> None:
         """One model's pass over its rows: run, sample and verify (one host sync), then each decoder's actions."""
         seqs, reads = plan.seqs, plan.reads
-        out = self.runners[plan.role].execute(
-            [PassRow(q.kv[plan.role], q.tokens, r.positions) for q, r in zip(seqs, reads, strict=True)]
+        runner = self.runners[plan.role]
+        out = runner.execute(
+            [
+                PassRow(q.kv[plan.role], q.tokens, r.positions, q.kv[Role.LARGE] if runner.reads_features else None)
+                for q, r in zip(seqs, reads, strict=True)
+            ]
         )
         for i, exc in out.failures.items():
             self.scheduler.fail(seqs[i], exc)

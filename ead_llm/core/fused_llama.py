@@ -139,6 +139,9 @@ class FusedLlama:
         self.head = model.lm_head.weight
         self.head_bias = model.lm_head.bias
         self.layers = [FusedLayer(layer) for layer in inner.layers]
+        self.keep_features = False
+        """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
+        them (:mod:`ead_llm.core.fused_draft`)."""
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, batch: PackedBatch
@@ -149,5 +152,10 @@ class FusedLlama:
         cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, batch)
-        hidden = rms_norm(hidden[:, keep], *self.norm)
+        if self.keep_features:
+            hidden = rms_norm(hidden, *self.norm)
+            batch.cache.write_features(batch.write_slots, hidden[0])
+            hidden = hidden[:, keep]
+        else:
+            hidden = rms_norm(hidden[:, keep], *self.norm)
         return F.linear(hidden, self.head, self.head_bias)[0]

@@ -284,6 +284,9 @@ class KVCache:
         self.pool = BlockPool(None if max_tokens is None else math.ceil(max_tokens / block_size))
         self.keys: list[torch.Tensor | None] = [None] * layers  # per layer: [capacity, H, D]
         self.values: list[torch.Tensor | None] = [None] * layers
+        self.features: list[torch.Tensor | None] = [None]
+        """``[1, capacity, hidden]``: each position's final hidden state, for a model whose draft reads it (else
+        never written). Kept in the same blocks as the keys, so rollback, forks and the prefix cache cover it."""
         self.peak_blocks = 0
         """Most blocks held at once since the cache was made (what the memory had to cover)."""
         self.peak_nbytes = 0
@@ -424,13 +427,15 @@ class KVCache:
         self.pool.reset()
         self.keys = [None] * self.layers
         self.values = [None] * self.layers
+        self.features = [None]
 
     @property
     def tokens_held(self) -> int:
         return self.pool.used * self.block_size
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values) if t is not None)
+        tensors = (*self.keys, *self.values, *self.features)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # -- tensors (the model runner) ------------------------------------------------------------------
 
@@ -444,6 +449,21 @@ class KVCache:
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
         self.keys[layer][:, slots] = keys.transpose(0, 1)  # type: ignore[index]
         self.values[layer][:, slots] = values.transpose(0, 1)  # type: ignore[index]
+
+    def write_features(self, slots: torch.Tensor, features: torch.Tensor) -> None:
+        """Store final hidden states ``[T, hidden]`` at flat ``slots`` ``[T]``."""
+        capacity = self.pool.num_blocks * self.block_size
+        stored = self.features[0]
+        if stored is None or stored.shape[1] < capacity:
+            self.features[0] = stored = _fit(stored, capacity, features[:, None])
+            self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+        stored[0, slots] = features
+
+    def read_features(self, slots: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[N, hidden]`` at flat ``slots`` ``[N]`` (a copy)."""
+        stored = self.features[0]
+        assert stored is not None, "features read before any were written"
+        return stored[0].index_select(0, slots)
 
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]`` (a copy)."""
@@ -465,7 +485,7 @@ class KVCache:
 
     def _copy_block(self, source: int, target: int) -> None:
         size = self.block_size
-        for tensors in (self.keys, self.values):
+        for tensors in (self.keys, self.values, self.features):
             for layer, tensor in enumerate(tensors):
                 if tensor is None:
                     continue

@@ -332,6 +332,9 @@ def _load(loader: Any, name: str, source: str, config: LoadConfig, **kwargs: Any
 
 def load_pair(config: LoadConfig) -> ModelPair:
     """Load tokenizers and both models, check they share a vocabulary, and put them in eval mode."""
+    from ead_llm.drafts.model import register
+
+    register()  # folders of drafts made by ``ead-llm distill`` load like any other model
     _check_source("small", config.small)
     _check_source("large", config.large)
     hub = config.hub_kwargs()

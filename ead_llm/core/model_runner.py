@@ -34,6 +34,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ead_llm.core.fused_draft import FusedDraft, reads_features
 from ead_llm.core.fused_llama import FusedLlama
 from ead_llm.core.fused_llama import supports as supports_fused
 from ead_llm.core.kv_cache import KVCache, SequenceKV
@@ -214,6 +215,8 @@ class PassRow:
     read: int = 1
     """Positions whose next-token logits are needed, counted back from the end (1: the next token;
     a verification of g drafts reads g + 1)."""
+    target: SequenceKV | None = None
+    """The same sequence in the target's cache, for a draft that reads the target's hidden states."""
 
 
 @dataclass
@@ -279,10 +282,12 @@ class ModelRunner:
         cache: KVCache,
         *,
         fused: bool = True,
+        target_cache: KVCache | None = None,
     ) -> None:
         """``fused``: run Llama-family models through :mod:`ead_llm.core.fused_llama` (their q/k/v and
         gate/up weights become views of fused tensors); otherwise, and for other models, through
-        transformers' modules with the paged attention."""
+        transformers' modules with the paged attention. ``target_cache``: the target's cache, where a draft
+        that reads the target's hidden states finds them (:mod:`ead_llm.core.fused_draft`)."""
         self.role: Role = loaded.role
         self.model = loaded.model
         self.device = device
@@ -290,8 +295,17 @@ class ModelRunner:
         self.cache = cache
         self.retried_passes = 0
         check_full_attention(loaded.info.source, self.model.config)
+        self.reads_features = reads_features(self.model)
+        self._draft: FusedDraft | None = None
+        self._target_cache = target_cache
+        if self.reads_features:
+            if target_cache is None:
+                raise ValueError(
+                    f"{loaded.info.source}: a draft that reads its target's hidden states needs the target"
+                )
+            self._draft = FusedDraft(self.model)
         self._fused = FusedLlama(self.model) if fused and supports_fused(self.model) else None
-        if self._fused is None and not getattr(self.model, "handles_ead_batch", False):
+        if self._fused is None and self._draft is None and not getattr(self.model, "handles_ead_batch", False):
             if not getattr(self.model, "_supports_attention_backend", False):
                 raise ValueError(
                     f"{loaded.info.source}: {type(self.model).__name__} does not take transformers' attention "
@@ -302,6 +316,15 @@ class ModelRunner:
             self.model.set_attn_implementation(ATTENTION)
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
         self._block_offsets = torch.arange(cache.block_size, device=device)
+
+    def keep_features(self, source: str) -> None:
+        """Store every position's final hidden state in the cache, for a draft that reads them."""
+        if self._fused is None:
+            raise ValueError(
+                f"{source}: a draft that reads its target's hidden states needs a Llama-family target "
+                "(Llama, Mistral, Qwen2, SmolLM); use an ordinary small model with this one"
+            )
+        self._fused.keep_features = True
 
     def execute(self, rows: Sequence[PassRow]) -> RunnerOutput:
         """Run ``rows`` in one pass (bisecting on failure); advance each successful row's cache length."""
@@ -351,7 +374,10 @@ class ModelRunner:
 
     def _run(self, rows: Sequence[PassRow]) -> torch.Tensor:
         """One packed pass; logits ``[N, V]`` (float32) of the read positions, rows in ``rows`` order."""
-        batch, ids, positions, keep = self._pack(rows)
+        batch, ids, positions, keep, order = self._pack(rows)
+        if self._draft is not None:
+            features = self._features([rows[i] for i in order], ids.shape[0])
+            return self._draft(ids, positions, keep, batch, features)[:, : self.vocab_size].float()
         if self._fused is not None:
             return self._fused(ids, positions, keep, batch)[:, : self.vocab_size].float()
         out = self.model(
@@ -364,9 +390,38 @@ class ModelRunner:
         )
         return out.logits[0, :, : self.vocab_size].float()
 
-    def _pack(self, rows: Sequence[PassRow]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The packed batch: decode rows first, then multi-token rows; the inputs in that order, and the
-        packed indices of the read positions in ``rows`` order. One loop over the rows, O(1) per decode row
+    def _features(self, ordered: list[PassRow], tokens: int) -> torch.Tensor:
+        """``[T, hidden]``: the feature each packed token reads (rows in packed order): its predecessor's in the
+        target's cache where the target has run there, else the draft's own from an earlier pass, else zeros."""
+        assert self._draft is not None and self._target_cache is not None
+        size = self.cache.block_size
+        theirs: tuple[list[int], list[int]] = ([], [])  # (packed index, target slot)
+        mine: tuple[list[int], list[int]] = ([], [])  # (packed index, own slot)
+        at = 0
+        for row in ordered:
+            start, end = row.kv.length, len(row.tokens)
+            seen = row.target.length if row.target is not None else 0
+            for p in range(max(start, 1), end):
+                q = p - 1
+                if q < seen:
+                    assert row.target is not None
+                    theirs[0].append(at + p - start)
+                    theirs[1].append(row.target.blocks[q // size] * size + q % size)
+                elif q < start:
+                    mine[0].append(at + p - start)
+                    mine[1].append(row.kv.blocks[q // size] * size + q % size)
+            at += end - start
+        out = torch.zeros((tokens, self._draft.hidden), dtype=self._draft.fc.dtype, device=self.device)
+        for (index, slots), cache in ((theirs, self._target_cache), (mine, self.cache)):
+            if index:
+                where = torch.tensor([index, slots], dtype=torch.long, device=self.device)
+                out[where[0]] = cache.read_features(where[1]).to(out.dtype)
+        return out
+
+    def _pack(self, rows: Sequence[PassRow]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """The packed batch: decode rows first, then multi-token rows; the inputs in that order, the
+        packed indices of the read positions in ``rows`` order, and the rows' indices in packed order. One loop over
+        the rows, O(1) per decode row
         (this runs every pass, on the thread that launches the forward)."""
         decode_rows: list[int] = []
         multi_rows: list[int] = []
@@ -439,7 +494,7 @@ class ModelRunner:
             keep = []
             for row, end in zip(rows, ends, strict=True):
                 keep.extend(range(end - row.read, end))
-        return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device)
+        return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device), order
 
     def _alone(self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool) -> RowAttention | None:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``; ``first``: its first block when its

@@ -1,0 +1,56 @@
+"""The engine's forward for a draft that reads its target's hidden states (:mod:`ead_llm.drafts.model`).
+
+Each packed token at position ``p`` reads the feature of ``p - 1``: the target's final hidden state where the
+target has run there (its cache keeps them), else the draft's own output there from an earlier pass (its guess
+of the target's), else zeros (a prompt the draft reads first). The runner gathers them
+(:meth:`ead_llm.core.model_runner.ModelRunner.execute`); this pass joins them with the token embeddings, runs the
+draft's one layer on the paged cache (the same fused layer as :mod:`ead_llm.core.fused_llama`), stores its own
+outputs as features in its cache, and returns logits over the vocabulary, ``-inf`` outside its head's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.nn import functional as F
+
+from ead_llm.core.fused_llama import FusedLayer, rms_norm, signed_sin
+
+if TYPE_CHECKING:
+    from ead_llm.core.model_runner import PackedBatch
+
+
+def reads_features(model: Any) -> bool:
+    """Whether ``model`` is a draft that needs its target's hidden states."""
+    return bool(getattr(model, "reads_target_features", False))
+
+
+class FusedDraft:
+    """A feature-reading draft's forward on a packed batch."""
+
+    def __init__(self, model: Any) -> None:
+        self.embedding = model.embed_tokens.weight
+        self.fc = model.fc.weight
+        self.rotary = model.rotary_emb
+        self.layer = FusedLayer(model.layer)
+        self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
+        self.head = model.head.weight
+        self.index = model.vocab_index
+        self.vocab = int(model.config.vocab_size)
+        self.hidden = int(model.config.hidden_size)
+
+    def __call__(
+        self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, batch: PackedBatch, features: torch.Tensor
+    ) -> torch.Tensor:
+        """``ids``, ``positions``: [T]; ``features``: [T, hidden], each token's predecessor's; ``keep``: [N] packed
+        indices read -> logits [N, V] (model dtype, ``-inf`` outside the head's tokens)."""
+        x = F.linear(torch.cat((F.embedding(ids, self.embedding), features.to(self.fc.dtype)), dim=-1), self.fc)[None]
+        cos, sin = self.rotary(x, positions[None])
+        x = self.layer(x, cos.unsqueeze(1), signed_sin(sin.unsqueeze(1)), batch)
+        out = rms_norm(x, *self.norm)[0]  # [T, hidden]
+        batch.cache.write_features(batch.write_slots, out)
+        sub = F.linear(out[keep], self.head)  # [N, K]
+        logits = sub.new_full((sub.shape[0], self.vocab), float("-inf"))
+        logits[:, self.index] = sub
+        return logits

@@ -1,0 +1,483 @@
+"""Train a feature-reading draft (:mod:`ead_llm.drafts.model`) for a causal LM from the model's own answers.
+
+    ead-llm distill --large MODEL --out DIR [--minutes M | --steps N] [--seed S]
+
+1. The target writes answers to a fixed, seeded set of chat questions through the engine (one greedy answer
+   and ``samples - 1`` sampled at temperature 0.8, top-p 0.95): the text a draft meets.
+2. Its final hidden states on that text are kept: they are the draft's inputs, and its head on them gives the
+   next-token distributions the draft learns.
+3. The draft's head keeps the ``vocab`` tokens the target wrote most often (FR-Spec); its layer starts as the
+   target's last layer; its layer, join and norm are trained (the embeddings and head rows stay the target's)
+   to minimise the cross-entropy of the target's distribution (restricted to the head's tokens) plus a
+   smooth-L1 pull of its output toward the target's feature, for ``minutes`` or ``steps`` steps (AdamW, a
+   cosine decay). Prompt positions mostly get zero features, as in the engine when the draft reads a prompt
+   before the target.
+4. Top-1 agreement with the target is measured on answers to held-out questions (not only held-out answers),
+   and the draft's own weights are saved with a card; the target's embeddings are copied in when it is
+   assembled (:func:`ead_llm.drafts.model.assemble`).
+
+Seeded: the questions, the split, the batches and the initial weights follow ``--seed``. A time budget makes the
+number of steps depend on the machine; ``--steps`` gives the same draft again on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from ead_llm.drafts.model import FeatureDraft, new_draft, own_state, previous, register, target_features
+
+TOPICS = [
+    "the moon",
+    "volcanoes",
+    "photosynthesis",
+    "the Roman Empire",
+    "prime numbers",
+    "bicycles",
+    "coffee",
+    "the ocean",
+    "rainbows",
+    "honey bees",
+    "the internet",
+    "chess",
+    "the heart",
+    "gravity",
+    "bread",
+    "penguins",
+    "electricity",
+    "the Eiffel Tower",
+    "clouds",
+    "vaccines",
+    "the piano",
+    "deserts",
+    "trains",
+    "recycling",
+    "the alphabet",
+    "glaciers",
+    "owls",
+    "solar panels",
+    "the Nile",
+    "friendship",
+    "maps",
+    "tea",
+    "earthquakes",
+    "the printing press",
+    "dolphins",
+    "algebra",
+    "umbrellas",
+    "Mars",
+    "soap",
+    "forests",
+    "money",
+    "music",
+    "sleep",
+    "robots",
+    "rivers",
+    "libraries",
+    "football",
+    "the sun",
+    "birds",
+    "cooking",
+    "languages",
+    "islands",
+    "computers",
+    "democracy",
+    "dinosaurs",
+    "weather",
+    "gardens",
+    "mountains",
+    "planes",
+    "history",
+]
+TEMPLATES = (
+    "Tell me one interesting fact about {t}.",
+    "Explain {t} to a child in two sentences.",
+    "Write a short poem about {t}.",
+    "What are three things people should know about {t}?",
+    "Give me a one-sentence summary of {t}.",
+    "Why does {t} matter?",
+    "Describe {t} in a few words.",
+    "Write a short story that mentions {t}.",
+    "What is a common misconception about {t}?",
+    "List two questions a student might ask about {t}.",
+    "What is the history of {t}?",
+    "How would you explain {t} to a friend?",
+)
+ARITHMETIC = ("What is {a} plus {b}?", "What is {a} times {b}?", "Is {a} larger than {b}?", "What is {a} minus {b}?")
+FACTS = (
+    "What is the capital of {c}?",
+    "Which continent is {c} in?",
+    "What language is spoken in {c}?",
+)
+COUNTRIES = [
+    "Peru",
+    "Kenya",
+    "Norway",
+    "Vietnam",
+    "Chile",
+    "Egypt",
+    "Poland",
+    "Canada",
+    "Brazil",
+    "Japan",
+    "Ghana",
+    "Sweden",
+    "Turkey",
+    "Mexico",
+    "India",
+    "Spain",
+    "Greece",
+    "Nepal",
+    "Cuba",
+    "Iran",
+    "Italy",
+    "Chad",
+    "Fiji",
+    "Laos",
+]
+
+
+def questions(seed: int) -> list[str]:
+    """The fixed set of questions (topics, facts and small arithmetic), shuffled by ``seed``."""
+    rng = random.Random(seed)
+    out = [template.format(t=topic) for topic in TOPICS for template in TEMPLATES]
+    out += [template.format(c=country) for country in COUNTRIES for template in FACTS]
+    out += [rng.choice(ARITHMETIC).format(a=rng.randint(2, 99), b=rng.randint(2, 99)) for _ in range(150)]
+    rng.shuffle(out)
+    return out
+
+
+@dataclass
+class Example:
+    """A chat prompt and one of the target's answers, with the target's features and greedy next tokens."""
+
+    question: int
+    ids: list[int]
+    start: int
+    """First position whose next-token distribution is a target (the last prompt token)."""
+    features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids), H]
+    best: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids) - 1 - start]: target's argmax
+
+
+def written(
+    model_dir: str, prompts: list[str], seed: int, samples: int, max_tokens: int, dtype: str | None
+) -> list[Example]:
+    """The target's answers through the engine: sample 0 greedy, the others at temperature 0.8, top-p 0.95."""
+    from ead_llm import LargeOnly
+    from ead_llm.adapters.prompts import render
+    from ead_llm.core.engine import Engine
+    from ead_llm.core.loading import LoadConfig, load_pair
+    from ead_llm.core.request import Request, SamplingParams
+
+    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
+    try:
+        requests, owners = [], []
+        for q, prompt in enumerate(prompts):
+            rendered = render(engine.tokenizer, [("user", prompt)], "chat")
+            for k in range(samples):
+                hot = k > 0
+                params = SamplingParams(
+                    temperature=0.8 if hot else 0.0, top_p=0.95 if hot else 1.0, max_tokens=max_tokens, seed=seed
+                )
+                requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
+                owners.append(q)
+        out = []
+        for first in range(0, len(requests), 64):
+            chunk = requests[first : first + 64]
+            for request, q, done in zip(chunk, owners[first : first + 64], engine.generate(chunk), strict=True):
+                ids = engine.encode(request.prompt)
+                out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1))
+        return out
+    finally:
+        engine.close()
+
+
+def batches(examples: list[Example], size: int) -> list[list[Example]]:
+    ordered = sorted(examples, key=lambda e: len(e.ids))
+    return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+
+def padded(group: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T] (right-padded with 0) and the mask of real tokens [B, T]."""
+    width = max(len(e.ids) for e in group)
+    ids = torch.zeros((len(group), width), dtype=torch.long)
+    mask = torch.zeros((len(group), width), dtype=torch.long)
+    for row, example in enumerate(group):
+        ids[row, : len(example.ids)] = torch.tensor(example.ids)
+        mask[row, : len(example.ids)] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def read_features(target: Any, examples: list[Example]) -> None:
+    """Keep the target's features and greedy next tokens on every example."""
+    head = target.get_output_embeddings()
+    for group in batches(examples, 16):
+        ids, mask = padded(group)
+        features = target_features(target, ids, mask).float()
+        for row, example in enumerate(group):
+            example.features = features[row, : len(example.ids)].clone()
+            example.best = head(features[row, example.start : len(example.ids) - 1]).argmax(-1)
+
+
+def frequent_tokens(examples: list[Example], size: int, vocab: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` tokens the target wrote most often (``always`` first; ties and the rest by id)."""
+    counts = Counter(t for e in examples for t in e.ids[e.start + 1 :])
+    chosen = list(dict.fromkeys([*always, *(t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))]))
+    chosen = chosen[:size]
+    if len(chosen) < size:
+        taken = set(chosen)
+        chosen += [t for t in range(vocab) if t not in taken][: size - len(chosen)]
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def inputs_of(
+    group: list[Example], zero_prompt: list[bool], noise: float, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, T] and the feature each position reads [B, T, H] (its predecessor's; zeros over prompts
+    where ``zero_prompt``), with uniform noise of width ``noise`` on real features."""
+    ids, _ = padded(group)
+    width = ids.shape[1]
+    features = torch.stack([F.pad(e.features, (0, 0, 0, width - len(e.ids))) for e in group])
+    shifted = previous(features)
+    for row, example in enumerate(group):
+        if zero_prompt[row]:
+            shifted[row, : example.start + 1] = 0.0  # positions 0..start read features of prompt positions
+    if noise:
+        shifted = shifted + (torch.rand(shifted.shape, generator=generator) - 0.5) * noise * (shifted != 0)
+    return ids, shifted
+
+
+def loss_of(draft: FeatureDraft, group: list[Example], zero_prompt: list[bool], noise: float, gen: Any) -> torch.Tensor:
+    """Cross-entropy of the target's head distribution (over the draft's tokens) plus the smooth-L1 distance of
+    the draft's outputs from the target's features, over answer positions."""
+    ids, feats = inputs_of(group, zero_prompt, noise, gen)
+    out, logits = draft.draft_forward(ids, feats)
+    rows, cols = [], []
+    for row, example in enumerate(group):
+        span = range(example.start, len(example.ids) - 1)
+        rows += [row] * len(span)
+        cols += list(span)
+    index = (torch.tensor(rows), torch.tensor(cols))
+    truth = torch.stack([e.features[c] for e, c in ((group[r], c) for r, c in zip(rows, cols, strict=True))])
+    with torch.no_grad():
+        teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
+    ce = -(teacher * torch.log_softmax(logits[index].float(), dim=-1)).sum(-1).mean()
+    return ce + F.smooth_l1_loss(out[index].float(), truth)
+
+
+@torch.no_grad()
+def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool = True) -> float:
+    """How often the draft's best token is the target's, over the answer positions of ``examples`` (teacher
+    forced: each position reads the target's feature of the one before; zero features over the prompt)."""
+    same = total = 0
+    for group in batches(examples, 16):
+        ids, feats = inputs_of(group, [zero_prompt] * len(group), 0.0, None)
+        _, logits = draft.draft_forward(ids, feats)
+        best = draft.vocab_index[logits.argmax(-1)]  # type: ignore[index]
+        for row, example in enumerate(group):
+            mine = best[row, example.start : len(example.ids) - 1]
+            same += int((mine == example.best).sum())
+            total += mine.numel()
+    return same / max(1, total)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ead-llm distill", description=__doc__.splitlines()[0])
+    p.add_argument("--large", required=True, help="the target: a Hugging Face id or local folder (Llama family)")
+    p.add_argument("--out", required=True, help="folder to write the draft to")
+    p.add_argument("--minutes", type=float, default=60.0, help="training time (default 60; the data comes first)")
+    p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (overrides --minutes)")
+    p.add_argument("--seed", type=int, default=0, help="questions, split, batches and noise (default 0)")
+    p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
+    p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled (4)")
+    p.add_argument("--questions", type=int, default=None, help="use only the first N questions (a quick check)")
+    p.add_argument("--max-tokens", type=int, default=128, help="longest answer (default 128)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--batch", type=int, default=16, help="answers per step (default 16)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--data", default=None, help="cache the target's answers and features in this file")
+    return p
+
+
+def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    for name in ("steps", "vocab", "samples", "questions", "max_tokens", "batch", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not args.minutes > 0 or not args.lr > 0:
+        p.error("--minutes and --lr must be positive")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Train and save a draft; return its card."""
+    p = parser()
+    args = p.parse_args(argv)
+    check(args, p)
+    from ead_llm.core.loading import model_source
+
+    source = model_source("--large", args.large)
+    return distill(source, Path(args.out), **{k: v for k, v in vars(args).items() if k not in ("large", "out")})
+
+
+def distill(
+    source: str,
+    out: Path,
+    *,
+    minutes: float = 60.0,
+    steps: int | None = None,
+    seed: int = 0,
+    vocab: int = 8192,
+    samples: int = 4,
+    questions: int | None = None,
+    max_tokens: int = 128,
+    lr: float = 1e-3,
+    batch: int = 16,
+    threads: int | None = None,
+    data: str | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
+    """See the module docstring; returns the card written beside the draft."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    register()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    asked = questions_of(seed, questions)
+    cached = Path(data) if data else None
+    if cached is not None and cached.exists():
+        examples = torch.load(cached, weights_only=False)
+    else:
+        examples = written(source, asked, seed, samples, max_tokens, None)
+        target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        read_features(target, examples)
+        del target
+        if cached is not None:
+            torch.save(examples, cached)
+    target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    rng = random.Random(seed)
+    order = list(range(len(asked)))
+    rng.shuffle(order)
+    held_questions = set(order[: max(1, len(order) // 10)])
+    held = [e for e in examples if e.question in held_questions]
+    train = [e for e in examples if e.question not in held_questions]
+    if not train or not held:
+        raise ValueError("too few questions to hold some out and train on the rest: use more questions")
+    eos = target.generation_config.eos_token_id
+    always = [eos] if isinstance(eos, int) else list(eos or [])
+    index = frequent_tokens(train, min(vocab, int(target.config.vocab_size)), int(target.config.vocab_size), always)
+    coverage = sum(int(torch.isin(torch.tensor(e.ids[e.start + 1 :]), index).sum()) for e in held) / max(
+        1, sum(len(e.ids) - e.start - 1 for e in held)
+    )
+    torch.manual_seed(seed)
+    draft = new_draft(target, index).float()
+    del target
+    before = agreement(draft.eval(), held)
+    data_s = time.perf_counter() - started
+    log(
+        f"data: {len(train)} answers to train on, {len(held)} to {len(held_questions)} held-out questions, "
+        f"{data_s:.0f} s; head covers {coverage:.3f} of held-out tokens; top-1 agreement {before:.3f}"
+    )
+    trainable = [p for name, p in draft.named_parameters() if name.startswith(("fc.", "layer.", "norm."))]
+    for param in draft.parameters():
+        param.requires_grad = False
+    for param in trainable:
+        param.requires_grad = True
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=0.0)
+    groups = batches(train, batch)
+    generator = torch.Generator().manual_seed(seed)
+    deadline = time.perf_counter() + minutes * 60
+    done_steps = tokens = 0
+
+    def progress() -> float:
+        if steps is not None:
+            return done_steps / steps
+        return 1.0 - (deadline - time.perf_counter()) / (minutes * 60)
+
+    draft.train()
+    while progress() < 1.0:
+        rng.shuffle(groups)
+        for group in groups:
+            done = progress()
+            if done >= 1.0:
+                break
+            warm = min(1.0, (done_steps + 1) / 50)
+            for setting in optimizer.param_groups:
+                setting["lr"] = lr * warm * (0.05 + 0.475 * (1.0 + math.cos(math.pi * min(1.0, done))))
+            zero_prompt = [rng.random() < 0.75 for _ in group]
+            loss = loss_of(draft, group, zero_prompt, 0.2, generator)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            done_steps += 1
+            tokens += sum(len(e.ids) - 1 - e.start for e in group)
+            if done_steps % 100 == 0:
+                minutes_in = (time.perf_counter() - started) / 60
+                log(f"step {done_steps}: loss {float(loss.detach()):.3f} ({minutes_in:.1f} min)")
+    draft.eval()
+    for param in draft.parameters():
+        param.requires_grad = False
+    after = agreement(draft, held)
+    after_real_prompt = agreement(draft, held, zero_prompt=False)
+    card = {
+        "target": source,
+        "design": "one decoder layer over the target's final hidden states and token embeddings (EAGLE-style), "
+        f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
+        "data": f"{len(train)} answers the target wrote to {len(asked) - len(held_questions)} seeded chat questions "
+        f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",
+        "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features",
+        "steps": done_steps,
+        "target_tokens": tokens,
+        "lr": lr,
+        "batch": batch,
+        "seed": seed,
+        "budget": f"{steps} steps" if steps is not None else f"{minutes:g} minutes",
+        "seconds_total": round(time.perf_counter() - started),
+        "held_out_questions": len(held_questions),
+        "held_out_answers": len(held),
+        "head_coverage": round(coverage, 4),
+        "top1_agreement_before": round(before, 4),
+        "top1_agreement_after": round(after, 4),
+        "top1_agreement_after_with_prompt_features": round(after_real_prompt, 4),
+        "own_parameters": sum(v.numel() for k, v in own_state(draft).items() if k != "vocab_index"),
+    }
+    save(draft, tokenizer, out, card)
+    log(json.dumps(card, indent=1))
+    return card
+
+
+def questions_of(seed: int, count: int | None) -> list[str]:
+    return questions(seed)[:count]
+
+
+def save(draft: FeatureDraft, tokenizer: Any, out: Path, card: dict[str, Any]) -> None:
+    """Write the whole draft (loadable as ``small=``) with its card, atomically."""
+    partial = out.with_name(out.name + ".partial")
+    draft.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    (partial / "draft_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    (partial / "README.md").write_text(
+        "# Feature-reading draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
+    )
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    partial.rename(out)
+
+
+if __name__ == "__main__":
+    main()

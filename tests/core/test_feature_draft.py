@@ -1,0 +1,155 @@
+"""A draft that reads its target's hidden states (EAGLE-style): the runner hands over the right features
+(the target's where it ran, the draft's own where it ran ahead, zeros where neither did), and every policy
+stays defined with it: speculative decoding is lossless, EAD, EASD and EAGER run and bill both models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.core.engine import Engine
+from ead_llm.core.kv_cache import KVCache, SequenceKV
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.model_runner import ModelRunner, PassRow
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.drafts.model import FeatureDraft, assemble, new_draft, own_state, previous, register, target_features
+from ead_llm.testing.tiny import TinyShape, build_tiny_pair, byte_bpe_tokenizer
+from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def feature_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny one-layer Llama target with a chat template, and a draft made from it: its layer is the target's
+    (so on its own it mostly agrees), its join slightly off the identity (so the features matter) and its head
+    without every 7th token (so some drafts must be rejected)."""
+    root = tmp_path_factory.mktemp("feature-pair")
+    tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    _, large = build_tiny_pair(root, tokenizer=tokenizer, large=TinyShape(hidden=64, layers=1, heads=4, mlp=128))
+    target = AutoModelForCausalLM.from_pretrained(large)
+    draft = new_draft(target, torch.tensor([t for t in range(len(tokenizer)) if t % 7]))
+    with torch.no_grad():
+        draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
+    draft.save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    return root / "draft", large
+
+
+def _models(pair: tuple[Path, Path]) -> tuple[FeatureDraft, torch.nn.Module]:
+    register()
+    return AutoModelForCausalLM.from_pretrained(pair[0]).eval(), AutoModelForCausalLM.from_pretrained(pair[1]).eval()
+
+
+@torch.inference_mode()
+def test_the_runner_hands_the_draft_the_targets_features_its_own_or_zeros(feature_pair: tuple[Path, Path]) -> None:
+    draft, target = _models(feature_pair)
+    engine = Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")))
+    small, large = engine.runners[Role.SMALL], engine.runners[Role.LARGE]
+    tokens = torch.randint(5, 300, (11,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids = torch.tensor([tokens])
+    truth = target_features(target, ids)  # [1, T, H]
+
+    def expect(features: torch.Tensor) -> torch.Tensor:
+        return draft(ids, features=features).logits[0].float()
+
+    # the draft reads the first 6 tokens before the target has run: zeros
+    s_kv, l_kv = SequenceKV(), SequenceKV()
+    engine.caches[Role.SMALL].reserve(s_kv, len(tokens))
+    engine.caches[Role.LARGE].reserve(l_kv, len(tokens))
+    got = small.execute([PassRow(s_kv, tokens[:6], read=6, target=l_kv)]).rows(0)
+    zeros = torch.zeros_like(truth)
+    assert torch.allclose(got, expect(zeros)[:6], atol=1e-5)
+    assert torch.equal(got.isinf(), expect(zeros)[:6].isinf())  # -inf outside the head's tokens
+    # one more token: it reads the draft's own output at position 5
+    draft_out, _ = draft.draft_forward(ids[:, :6], zeros[:, :6])
+    got = small.execute([PassRow(s_kv, tokens[:7], target=l_kv)]).rows(0)
+    mixed = zeros.clone()
+    mixed[0, 6] = draft_out[0, 5]
+    assert torch.allclose(got[0], expect(mixed)[6], atol=1e-5)
+    # the target runs over the first 9 tokens; the draft's next 2 read its features
+    large.execute([PassRow(l_kv, tokens[:9])])
+    got = small.execute([PassRow(s_kv, tokens[:9], read=2, target=l_kv)]).rows(0)
+    mixed[0, 7:9] = previous(truth)[0, 7:9]
+    assert torch.allclose(got, expect(mixed)[7:9], atol=1e-5)
+    # the target's logits are unchanged by keeping its features
+    assert torch.allclose(
+        large.execute([PassRow(l_kv, tokens[:10])]).rows(0)[0], target(ids[:, :10]).logits[0, -1].float(), atol=1e-5
+    )
+    engine.close()
+
+
+def _generate(engine: Engine, policy: object, **params: object) -> list[object]:
+    prompts = ["The quick brown fox", "12 + 35 =", "def add(a, b):"]
+    sampling = SamplingParams(max_tokens=24, **params)  # type: ignore[arg-type]
+    return engine.generate([Request(p, policy, sampling) for p in prompts])  # type: ignore[arg-type]
+
+
+def test_speculative_decoding_with_a_feature_draft_is_lossless(feature_pair: tuple[Path, Path]) -> None:
+    """Greedy speculative decoding (fixed and adaptive gamma) writes LargeOnly's text, and seeded sampling
+    gives the same text twice; drafts are accepted (the draft is its target's last layer) and some rejected."""
+    engine = Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")))
+    reference = [o.token_ids for o in _generate(engine, LargeOnly())]
+    accepted = drafted = 0
+    for policy in (
+        SpeculativeDecoding(gamma=1),
+        SpeculativeDecoding(gamma=3),
+        SpeculativeDecoding(adaptive_gamma=True),
+    ):
+        outs = _generate(engine, policy)
+        assert [o.token_ids for o in outs] == reference
+        accepted += sum(o.cost.extra["accepted_tokens"] for o in outs)
+        drafted += sum(o.cost.extra["drafted_tokens"] for o in outs)
+    assert 0 < accepted < drafted
+    sampled = [
+        [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=2), temperature=0.9, seed=7)] for _ in "ab"
+    ]
+    assert sampled[0] == sampled[1]
+    engine.close()
+
+
+def test_every_policy_stays_defined_with_a_feature_draft(feature_pair: tuple[Path, Path]) -> None:
+    engine = Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")))
+    for policy in (
+        SmallOnly(),
+        EAD(threshold=0.5, window=2, min_dwell=2),
+        EAD(threshold=1.0, lookahead=True),
+        EASD(entropy_threshold=0.5),
+        EAGER(max_paths=3, decoder=EAD(threshold=0.5, window=2, min_dwell=2)),
+    ):
+        outs = _generate(engine, policy)
+        assert all(o.token_ids for o in outs), policy
+        assert all(o.cost.completion_tokens == o.cost.small_tokens + o.cost.large_tokens for o in outs)
+        again = _generate(engine, policy)
+        assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # the prefix cache changes nothing
+        if isinstance(policy, (EAD, EAGER)):  # both models wrote: the draft ran after the target and before it
+            assert sum(o.cost.small_tokens for o in outs) > 0 and sum(o.cost.large_tokens for o in outs) > 0
+        if isinstance(policy, EAGER):
+            assert sum(o.cost.extra.get("branches", 0) for o in outs) > 0
+    engine.close()
+
+
+def test_a_draft_is_rebuilt_from_its_own_weights_and_its_targets(feature_pair: tuple[Path, Path]) -> None:
+    draft, target = _models(feature_pair)
+    own = own_state(draft)
+    assert not any(k.startswith(("embed_tokens", "head")) for k in own)  # those are the target's
+    again = assemble(target, draft.config, own)
+    ids = torch.tensor([[5, 9, 40, 77]])
+    assert torch.equal(again(ids).logits, draft(ids).logits)
+
+
+def test_a_feature_draft_needs_a_llama_family_target(feature_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+    _, gpt2 = build_tiny_pair(tmp_path, family="gpt2", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="Llama-family target"):
+        Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(gpt2), device="cpu")))
+
+
+def test_a_draft_runner_without_its_target_is_refused(feature_pair: tuple[Path, Path]) -> None:
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    with pytest.raises(ValueError, match="needs the target"):
+        ModelRunner(pair.small, pair.device, pair.vocab_size, KVCache(1))
