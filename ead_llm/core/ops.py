@@ -42,6 +42,10 @@ CANDIDATES = 64
 among them needs no sort of the vocabulary."""
 
 
+NUCLEUS_RTOL = 1e-6
+"""Relative tolerance of the nucleus's edge: earlier mass within it of ``top_p`` counts as ``top_p``."""
+
+
 def _nucleus_floor(
     values: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
@@ -52,8 +56,10 @@ def _nucleus_floor(
     # The first position whose strictly earlier tokens hold top_p of the mass is dropped, with everything after it,
     # unless it ties with the token before it: then that tie group is kept whole (its first token's earlier mass
     # is less) and the next group is the first dropped. Either way the floor is the value just before it.
+    # Mass that reaches top_p to within NUCLEUS_RTOL counts as reaching it: the weights are float32, so an edge that
+    # falls exactly on a token (0.5 + 0.3 of the mass at top_p 0.8) would otherwise be decided by rounding.
     mass = torch.cumsum(weights.double(), dim=-1)  # [..., C]: mass up to and including each
-    threshold = (top_p.to(torch.float64) * total)[..., None]
+    threshold = (top_p.to(torch.float64) * total * (1.0 - NUCLEUS_RTOL))[..., None]
     edge = 1 + (mass[..., :-1] < threshold).sum(-1, keepdim=True)  # [..., 1]: first position dropped, C if none
     floor = values.gather(-1, edge - 1).squeeze(-1)
     floor = torch.where(edge.squeeze(-1) < values.shape[-1], floor, torch.nan)  # all kept: the edge may lie further
