@@ -230,7 +230,7 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> fr
     return frozenset(ids)
 
 
-def _check_source(name: str, source: str) -> None:
+def check_source(name: str, source: str) -> None:
     """Refuse a local-looking path that does not exist (a Hub id has at most one slash; a GGUF file on
     the Hub is ``org/repo/file.gguf``)."""
     if Path(source).expanduser().exists():
@@ -335,8 +335,8 @@ def load_pair(config: LoadConfig) -> ModelPair:
     from ead_llm.drafts.model import register
 
     register()  # folders of drafts made by ``ead-llm distill`` load like any other model
-    _check_source("small", config.small)
-    _check_source("large", config.large)
+    check_source("small", config.small)
+    check_source("large", config.large)
     hub = config.hub_kwargs()
     tok_small = _load(AutoTokenizer, "small", config.small, config, **hub)
     tok_large = _load(AutoTokenizer, "large", config.large, config, **hub)

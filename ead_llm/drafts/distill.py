@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from ead_llm.drafts import add_arguments
 from ead_llm.drafts.model import FeatureDraft, new_draft, own_state, previous, register, target_features
 
 TOPICS = [
@@ -294,40 +295,51 @@ def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ead-llm distill", description=__doc__.splitlines()[0])
-    p.add_argument("--large", required=True, help="the target: a Hugging Face id or local folder (Llama family)")
-    p.add_argument("--out", required=True, help="folder to write the draft to")
-    p.add_argument("--minutes", type=float, default=60.0, help="training time (default 60; the data comes first)")
-    p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (overrides --minutes)")
-    p.add_argument("--seed", type=int, default=0, help="questions, split, batches and noise (default 0)")
-    p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
-    p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled (4)")
-    p.add_argument("--questions", type=int, default=None, help="use only the first N questions (a quick check)")
-    p.add_argument("--max-tokens", type=int, default=128, help="longest answer (default 128)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    p.add_argument("--batch", type=int, default=16, help="answers per step (default 16)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--data", default=None, help="cache the target's answers and features in this file")
+    add_arguments(p)
     return p
 
 
-def check(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Check parsed options (a ``ValueError`` naming the option) and distill; return the card."""
     for name in ("steps", "vocab", "samples", "questions", "max_tokens", "batch", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not args.minutes > 0 or not args.lr > 0:
-        p.error("--minutes and --lr must be positive")
+        raise ValueError(f"--minutes and --lr must be positive, got {args.minutes} and {args.lr}")
+    from ead_llm.core.loading import check_source, model_source
+
+    source = model_source("--large", args.large)
+    check_source("--large", source)
+    options = {k: v for k, v in vars(args).items() if k in DISTILL_OPTIONS}
+    return distill(source, Path(args.out), **options)
+
+
+DISTILL_OPTIONS = (
+    "minutes",
+    "steps",
+    "seed",
+    "vocab",
+    "samples",
+    "questions",
+    "max_tokens",
+    "lr",
+    "batch",
+    "threads",
+    "data",
+    "exclude",
+)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and save a draft; return its card."""
     p = parser()
     args = p.parse_args(argv)
-    check(args, p)
-    from ead_llm.core.loading import model_source
-
-    source = model_source("--large", args.large)
-    return distill(source, Path(args.out), **{k: v for k, v in vars(args).items() if k not in ("large", "out")})
+    try:
+        return run(args)
+    except ValueError as err:
+        p.error(str(err))
+        raise
 
 
 def distill(
@@ -345,6 +357,7 @@ def distill(
     batch: int = 16,
     threads: int | None = None,
     data: str | None = None,
+    exclude: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """See the module docstring; returns the card written beside the draft."""
@@ -367,10 +380,10 @@ def distill(
             torch.save(examples, cached)
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
+    kept = excluded(asked, exclude)
+    examples = [e for e in examples if e.question in kept]
     rng = random.Random(seed)
-    order = list(range(len(asked)))
-    rng.shuffle(order)
-    held_questions = set(order[: max(1, len(order) // 10)])
+    held_questions = held_out(kept, rng)
     held = [e for e in examples if e.question in held_questions]
     train = [e for e in examples if e.question not in held_questions]
     if not train or not held:
@@ -436,7 +449,7 @@ def distill(
         "target": source,
         "design": "one decoder layer over the target's final hidden states and token embeddings (EAGLE-style), "
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
-        "data": f"{len(train)} answers the target wrote to {len(asked) - len(held_questions)} seeded chat questions "
+        "data": f"{len(train)} answers the target wrote to {len(kept) - len(held_questions)} seeded chat questions "
         f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",
         "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features",
         "steps": done_steps,
@@ -457,6 +470,29 @@ def distill(
     save(draft, tokenizer, out, card)
     log(json.dumps(card, indent=1))
     return card
+
+
+def excluded(asked: list[str], exclude: str | None) -> set[int]:
+    """Indices of the questions to use: all but those in the file ``exclude`` (JSON lines with a ``prompt``, or
+    one question per line), e.g. a benchmark's prompts, so that it measures the draft on questions it never saw."""
+    if exclude is None:
+        return set(range(len(asked)))
+    lines = [line.strip() for line in Path(exclude).read_text().splitlines() if line.strip()]
+    banned = {json.loads(line)["prompt"] if line.startswith("{") else line for line in lines}
+    return {i for i, q in enumerate(asked) if q not in banned}
+
+
+def held_out(kept: set[int], rng: random.Random) -> set[int]:
+    """The tenth of the ``kept`` questions (at least one) whose answers are held out, drawn by ``rng``."""
+    order = sorted(kept)
+    rng.shuffle(order)
+    return set(order[: max(1, len(order) // 10)])
+
+
+def held_out_questions(seed: int = 0, count: int | None = None, exclude: str | None = None) -> list[str]:
+    """The questions ``distill`` with these options held out: a draft never trained on their answers."""
+    asked = questions_of(seed, count)
+    return [asked[i] for i in sorted(held_out(excluded(asked, exclude), random.Random(seed)))]
 
 
 def questions_of(seed: int, count: int | None) -> list[str]:

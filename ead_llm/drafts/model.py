@@ -18,6 +18,7 @@ The token embeddings and the head rows are the target's, copied in when the draf
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -183,3 +184,29 @@ def assemble(target: Any, config: FeatureDraftConfig, own: dict[str, torch.Tenso
         {**draft.state_dict(), **{k: v.to(draft.dtype) for k, v in own.items() if k != "vocab_index"}}
     )
     return draft
+
+
+OWN_FILE = "own.safetensors"
+
+
+def save_own(draft: FeatureDraft, folder: Path) -> None:
+    """Write the draft's own weights (float16) and its config to ``folder``: what a project ships, without the
+    target's embeddings (:func:`load_own`, then :func:`assemble`)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    own = own_state(draft)
+    tensors = {
+        k: (v.to(torch.int32) if k == "vocab_index" else v.to(torch.float16)).contiguous() for k, v in own.items()
+    }
+    save_file(tensors, str(folder / OWN_FILE))
+    draft.config.to_json_file(str(folder / "config.json"))
+
+
+def load_own(folder: Path) -> tuple[FeatureDraftConfig, dict[str, torch.Tensor]]:
+    """The config and own weights :func:`save_own` wrote (weights in float32)."""
+    from safetensors.torch import load_file
+
+    config = FeatureDraftConfig.from_json_file(str(folder / "config.json"))
+    own = {k: v.long() if k == "vocab_index" else v.float() for k, v in load_file(str(folder / OWN_FILE)).items()}
+    return config, own

@@ -382,6 +382,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_distill(args: argparse.Namespace) -> int:
+    from ead_llm.drafts.distill import run
+
+    card = run(args)
+    print(f"wrote {args.out}: top-1 agreement {card['top1_agreement_after']:.3f} on held-out answers")
+    return 0
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -410,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookahead", action="store_true", help="EAD with lookahead, window 1, dwell 1 (the bench's dev choice)"
     )
     demo.set_defaults(func=cmd_demo)
+    distill = commands.add_parser(
+        "distill",
+        help="train a draft for a model from its own answers (one layer over its hidden states, EAGLE-style)",
+        description="Train a draft for MODEL that reads its hidden states; use the folder as small=.",
+    )
+    from ead_llm.drafts import add_arguments
+
+    add_arguments(distill)
+    distill.set_defaults(func=cmd_distill)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)

@@ -9,7 +9,9 @@ drafts with the same tokenizer are built beside it:
 
 - :func:`early_exit_draft`: the model's own first ``layers`` layers, its final norm and its (tied)
   embeddings, untrained (LayerSkip-style early exit);
-- :func:`trained_draft`: the same, distilled on the full model's own text by
+- :func:`fast_draft`: the shipped one-layer draft over the model's hidden states (EAGLE-style, a head over its
+  8,192 most frequent tokens), trained by ``ead-llm distill``; only its own weights are in the repository;
+- :func:`trained_draft`: the early-exit draft, distilled on the full model's own text by
   ``python -m ead_llm.testing.distill`` (an hour on 2 CPU cores; too large to ship, so rebuilt there).
 
 The cache is ``$EAD_LLM_CACHE`` or ``~/.cache/ead-llm``.
@@ -89,6 +91,38 @@ def cut(model: Any, layers: int) -> Any:
     if getattr(draft.config, "layer_types", None):
         draft.config.layer_types = draft.config.layer_types[:layers]
     return draft
+
+
+SHIPPED_DRAFT = Path(__file__).parent / "smollm2_draft"
+"""The trained draft's own weights, config and card, shipped with the project (``ead-llm distill`` made it)."""
+
+
+def fast_draft() -> Path:
+    """A folder usable as ``small=`` with SmolLM2-135M-Instruct as ``large=``: the shipped one-layer draft that
+    reads the model's hidden states (:mod:`ead_llm.drafts.model`), assembled on first use with the model's own
+    embeddings and head rows. No training."""
+    target_dir = cache_dir() / f"{FULL}-fast-draft"
+    card = SHIPPED_DRAFT / "draft_card.json"
+    if (target_dir / "config.json").exists() and (target_dir / "draft_card.json").read_text() == card.read_text():
+        return target_dir
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ead_llm.drafts.model import assemble, load_own
+
+    source = full_model()
+    config, own = load_own(SHIPPED_DRAFT)
+    target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    draft = assemble(target, config, own)
+    partial = target_dir.with_name(target_dir.name + ".partial")
+    draft.save_pretrained(partial)
+    AutoTokenizer.from_pretrained(source).save_pretrained(partial)
+    (partial / "draft_card.json").write_text(card.read_text())
+    if target_dir.exists():
+        import shutil
+
+        shutil.rmtree(target_dir)
+    partial.rename(target_dir)
+    return target_dir
 
 
 def trained_draft(layers: int = DRAFT_LAYERS) -> Path | None:

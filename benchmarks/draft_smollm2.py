@@ -1,0 +1,206 @@
+"""The shipped SmolLM2 draft (``ead_llm.testing.smollm2.fast_draft()``) against SmolLM2-135M-Instruct alone.
+
+Chat prompts the draft never trained on (half the questions ``ead-llm distill`` held out, half the
+docs/bench-smollm2 questions it was told to leave out), one request at a time, greedy, in one process with
+torch on ``--threads`` threads (1 by default). Each repeat times, in a rotating order:
+
+- ``LargeOnly`` (the target alone through our engine) and transformers' ``generate()`` on the same target;
+- speculative decoding with adaptive gamma (and fixed gamma 1 and 3), whose texts must equal LargeOnly's;
+- EASD (entropy-aware rejection: not lossless by design; how many texts still equal LargeOnly's is printed).
+
+Printed: tokens/s of each, each policy's speed-up over LargeOnly (median and min-max over repeats), the
+acceptance rate, and the draft's cost per token as a ratio of the target's (one decode forward of each through
+the engine's runner at 64 and 256 positions, medians). Transformers' assisted generation cannot run this draft:
+it hands its assistant token ids only, and the draft reads the target's hidden states (printed, not measured).
+
+    python benchmarks/draft_smollm2.py [--prompts 16] [--max-tokens 128] [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ead_llm import EASD, LargeOnly, SpeculativeDecoding
+from ead_llm.adapters.prompts import render
+from ead_llm.core.engine import Engine
+from ead_llm.core.kv_cache import SequenceKV
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.model_runner import ModelRunner, PassRow
+from ead_llm.core.request import Completion, Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.drafts.distill import held_out_questions
+from ead_llm.policies.base import Policy
+from ead_llm.testing import smollm2
+
+TASK = Path(__file__).resolve().parent.parent / "docs" / "bench-smollm2" / "task.jsonl"
+GOALS = {"speculative_adaptive": 1.5, "easd": 1.3}
+DRAFT_COST_GOAL = 0.12
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def chat_prompts(count: int) -> list[str]:
+    """``count`` questions the shipped draft never saw answered: held-out ones first, then the bench's."""
+    held = held_out_questions(0, None, str(TASK))
+    bench = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]
+    half = count // 2
+    return held[: count - half] + bench[:half]
+
+
+@torch.inference_mode()
+def forward_s(runner: ModelRunner, context: int, target: ModelRunner | None = None, repeats: int = 21) -> float:
+    """Median seconds of one decode forward of ``runner``'s model at ``context`` positions (the model alone,
+    through the engine's runner). A feature-reading draft reads the target's features there."""
+    tokens = torch.randint(4, 1000, (context + 1,), generator=torch.Generator().manual_seed(context)).tolist()
+    kv, target_kv = SequenceKV(), SequenceKV()
+    runner.cache.reserve(kv, context + 1)
+    if target is not None:
+        target.cache.reserve(target_kv, context + 1)
+        target.execute([PassRow(target_kv, tokens[:context])])
+    row = {"target": target_kv} if target is not None else {}
+    runner.execute([PassRow(kv, tokens[:context], **row)])
+    times = []
+    for _ in range(repeats):
+        runner.cache.reserve(kv, context + 1)
+        start = time.perf_counter()
+        out = runner.execute([PassRow(kv, tokens, **row)])
+        times.append(time.perf_counter() - start)
+        if out.failures:
+            raise next(iter(out.failures.values()))
+        runner.cache.truncate(kv, context)
+    runner.cache.free(kv)
+    if target is not None:
+        target.cache.free(target_kv)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped one, assembled)")
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    large_dir = str(smollm2.full_model())
+    draft_dir = args.draft or str(smollm2.fast_draft())
+    engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
+    prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in chat_prompts(args.prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    policies: dict[str, Policy] = {
+        "large_only": LargeOnly(),
+        "speculative_adaptive": SpeculativeDecoding(gamma=4, adaptive_gamma=True),
+        "speculative_gamma1": SpeculativeDecoding(gamma=1),
+        "speculative_gamma3": SpeculativeDecoding(gamma=3),
+        "easd": EASD(gamma=4, adaptive_gamma=True),
+    }
+
+    def run(policy: Policy) -> tuple[float, list[Completion]]:
+        start = time.perf_counter()
+        out = [engine.generate([Request(p, policy, params)])[0] for p in prompts]
+        return time.perf_counter() - start, out
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(large_dir, dtype=torch.float32).eval()
+    inputs = [torch.tensor([engine.encode(p)]) for p in prompts]  # the very ids our engine reads
+
+    def generate() -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = [
+                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens, do_sample=False)[
+                    0, x.shape[1] :
+                ].tolist()
+                for x in inputs
+            ]
+        return time.perf_counter() - start, out
+
+    run(LargeOnly())  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in [*policies, "generate"]}
+    speedups: dict[str, list[float]] = {name: [] for name in [*policies, "generate"] if name != "large_only"}
+    outputs: dict[str, list[Completion]] = {}
+    generated: list[list[int]] = []
+    names = [*policies, "generate"]
+    for repeat in range(args.repeats):
+        order = names[repeat % len(names) :] + names[: repeat % len(names)]
+        seconds: dict[str, float] = {}
+        for name in order:
+            if name == "generate":
+                seconds[name], generated = generate()
+                tokens = sum(len(g) for g in generated)
+            else:
+                seconds[name], outputs[name] = run(policies[name])
+                tokens = sum(len(c.token_ids) for c in outputs[name])
+            rates[name].append(tokens / seconds[name])
+        for name in speedups:
+            speedups[name].append(rates[name][-1] / rates["large_only"][-1])
+    reference = [list(c.token_ids) for c in outputs["large_only"]]
+    same = {
+        name: sum(list(c.token_ids) == r for c, r in zip(outs, reference, strict=True))
+        for name, outs in outputs.items()
+    }
+    same["generate"] = sum(g == r for g, r in zip(generated, reference, strict=True))
+    acceptance = {
+        name: sum(c.cost.extra.get("accepted_tokens", 0) for c in outs)
+        / max(1, sum(c.cost.extra.get("drafted_tokens", 0) for c in outs))
+        for name, outs in outputs.items()
+        if name != "large_only"
+    }
+    small, large = engine.runners[Role.SMALL], engine.runners[Role.LARGE]
+    cost = {f"draft_cost_{n}": forward_s(small, n, target=large) / forward_s(large, n) for n in (64, 256)}
+    card_path = Path(draft_dir) / "draft_card.json"
+    card = json.loads(card_path.read_text()) if card_path.exists() else {}
+    engine.close()
+    report: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads",
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "tokens_per_s": {k: spread(v) for k, v in rates.items()},
+        "speedup_over_large_only": {k: spread(v) for k, v in speedups.items()},
+        "same_text_as_large_only": {k: f"{v}/{len(prompts)}" for k, v in same.items()},
+        "acceptance": acceptance,
+        **cost,
+        "held_out_top1_agreement": card.get("top1_agreement_after"),
+        "assisted_generation": "not run: transformers hands its assistant token ids only, and this draft reads "
+        "the target's hidden states",
+    }
+    print(f"machine: {report['machine']}; {len(prompts)} chat prompts, greedy, up to {args.max_tokens} tokens")
+    print(f"{'':22} {'tokens/s':>9} {'vs LargeOnly (min-max)':>24} {'same text':>10} {'accepted':>9}")
+    for name in names:
+        r = report["tokens_per_s"][name]["median"]
+        s = report["speedup_over_large_only"].get(name)
+        ratio = f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s else "1.00x"
+        acc = f"{acceptance[name]:.3f}" if name in acceptance else ""
+        print(f"{name:22} {r:9.1f} {ratio:>24} {report['same_text_as_large_only'][name]:>10} {acc:>9}")
+    for n in (64, 256):
+        print(f"draft cost per token at {n} positions: {cost[f'draft_cost_{n}']:.3f} of the target's")
+    print(f"held-out top-1 agreement (card): {report['held_out_top1_agreement']}")
+    print(f"assisted generation: {report['assisted_generation']}")
+    for name, goal in GOALS.items():
+        got = report["speedup_over_large_only"][name]["median"]
+        print(f"goal: {name} at least {goal}x LargeOnly: {'met' if got >= goal else 'missed'} ({got:.2f}x)")
+    worst = max(cost.values())
+    verdict = "met" if worst <= DRAFT_COST_GOAL else "missed"
+    print(f"goal: draft cost at most {DRAFT_COST_GOAL} of the target's: {verdict} ({worst:.3f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

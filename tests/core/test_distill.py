@@ -1,0 +1,138 @@
+"""``ead-llm distill`` on a tiny target: two steps write a draft that loads as ``small=`` beside its target and
+decodes losslessly, the same seed gives the same weights, a benchmark's questions can be left out, and bad
+options are refused before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ead_llm import LargeOnly, SpeculativeDecoding
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Request, SamplingParams
+from ead_llm.drafts import distill
+from ead_llm.drafts.model import OWN_FILE, assemble, load_own, save_own
+from ead_llm.serving.cli import build_parser
+from ead_llm.testing.tiny import TinyShape, build_tiny_pair, byte_bpe_tokenizer
+from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("distill-target")
+    tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    _, large = build_tiny_pair(root, tokenizer=tokenizer, large=TinyShape(hidden=64, layers=2, heads=4, mlp=128))
+    return large
+
+
+def _args(target: Path, out: Path, *extra: str) -> list[str]:
+    small = ["--questions", "12", "--samples", "2", "--max-tokens", "8", "--vocab", "200", "--batch", "4"]
+    return ["--large", str(target), "--out", str(out), "--steps", "2", "--threads", "1", *small, *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(target: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("distilled") / "draft"
+    card = distill.main(_args(target, out, "--seed", "3"))
+    return out, card
+
+
+def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path, dict]) -> None:
+    out, card = trained
+    assert card["steps"] == 2 and card["budget"] == "2 steps" and card["seed"] == 3
+    assert card["held_out_questions"] == 1 and card["held_out_answers"] == 2  # 10% of 12 questions, 2 answers each
+    assert 0.0 <= card["top1_agreement_before"] <= 1.0 and 0.0 <= card["top1_agreement_after"] <= 1.0
+    assert 0.0 < card["head_coverage"] <= 1.0
+    assert (out / "draft_card.json").is_file() and "top1_agreement_after" in (out / "README.md").read_text()
+    from transformers import AutoModelForCausalLM
+
+    distill.register()
+    draft = AutoModelForCausalLM.from_pretrained(out)
+    large = AutoModelForCausalLM.from_pretrained(target)
+    assert draft.vocab_index.numel() == 200
+    # trained: the layer moved away from the target's last layer it started as; the embeddings stayed the target's
+    moved = draft.layer.mlp.down_proj.weight
+    assert not torch.equal(moved, large.model.layers[-1].mlp.down_proj.weight)
+    assert torch.equal(draft.embed_tokens.weight, large.model.embed_tokens.weight)
+    assert torch.equal(draft.head.weight, large.lm_head.weight[draft.vocab_index])
+
+
+def test_the_distilled_draft_decodes_losslessly_beside_its_target(target: Path, trained: tuple[Path, dict]) -> None:
+    engine = Engine(load_pair(LoadConfig(small=str(trained[0]), large=str(target), device="cpu")))
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=12)
+        prompts = ["the cat sat", "a dog ran to"]
+        large = engine.generate([Request(p, LargeOnly(), params) for p in prompts])
+        spec = engine.generate([Request(p, SpeculativeDecoding(gamma=3), params) for p in prompts])
+        assert [r.text for r in spec] == [r.text for r in large]
+        assert sum(r.cost.extra["drafted_tokens"] for r in spec) > 0
+    finally:
+        engine.close()
+
+
+def test_the_same_seed_gives_the_same_draft_and_its_own_weights_round_trip(
+    target: Path, trained: tuple[Path, dict], tmp_path: Path
+) -> None:
+    again = distill.main(_args(target, tmp_path / "again", "--seed", "3"))
+    first = load_file(str(trained[0] / "model.safetensors"))
+    second = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert again["top1_agreement_after"] == trained[1]["top1_agreement_after"]
+    # what a project ships: its own weights in float16, reassembled with the target's embeddings
+    from transformers import AutoModelForCausalLM
+
+    distill.register()
+    draft = AutoModelForCausalLM.from_pretrained(trained[0])
+    save_own(draft, tmp_path / "own")
+    assert (tmp_path / "own" / OWN_FILE).stat().st_size < (trained[0] / "model.safetensors").stat().st_size
+    config, own = load_own(tmp_path / "own")
+    rebuilt = assemble(AutoModelForCausalLM.from_pretrained(target), config, own)
+    ids = torch.tensor([[5, 17, 40, 41, 99]])
+    features = torch.randn(1, 5, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = draft(ids, features=features).logits, rebuilt(ids, features=features).logits
+    assert torch.equal(want.isinf(), got.isinf())
+    assert torch.allclose(want[~want.isinf()], got[~got.isinf()], atol=5e-3)  # float16 rounding of own weights
+
+
+def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
+    asked = distill.questions_of(0, 30)
+    listed = tmp_path / "bench.jsonl"
+    listed.write_text(f'{{"prompt": "{asked[4]}", "answer": "x"}}\n\n{asked[7]}\n')
+    assert distill.excluded(asked, str(listed)) == set(range(30)) - {4, 7}
+    assert distill.excluded(asked, None) == set(range(30))
+    assert distill.questions_of(0, 30) == asked and distill.questions_of(1, 30) != asked  # seeded order
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--vocab", "-3"], "--vocab must be at least 1"),
+        (["--minutes", "0"], "--minutes and --lr must be positive"),
+        (["--lr", "nan"], "--minutes and --lr must be positive"),
+    ],
+)
+def test_bad_options_are_refused_before_loading(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        distill.main(["--large", "no/such-model", "--out", str(tmp_path / "x"), *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_missing_target_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        distill.main(["--large", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--steps", "1"])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+def test_the_cli_has_the_subcommand() -> None:
+    args = build_parser().parse_args(["distill", "--large", "m", "--out", "o", "--steps", "2", "--exclude", "b.jsonl"])
+    assert args.steps == 2 and args.exclude == "b.jsonl" and args.func.__name__ == "cmd_distill"
