@@ -36,7 +36,15 @@ import torch
 from torch.nn import functional as F
 
 from ead_llm.drafts import add_arguments
-from ead_llm.drafts.model import FeatureDraft, new_draft, own_state, previous, register, target_features
+from ead_llm.drafts.model import (
+    FeatureDraft,
+    new_draft,
+    own_state,
+    previous,
+    register,
+    save_folder,
+    target_features,
+)
 
 TOPICS = [
     "the moon",
@@ -501,18 +509,8 @@ def questions_of(seed: int, count: int | None) -> list[str]:
 
 def save(draft: FeatureDraft, tokenizer: Any, out: Path, card: dict[str, Any]) -> None:
     """Write the whole draft (loadable as ``small=``) with its card, atomically."""
-    partial = out.with_name(out.name + ".partial")
-    draft.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    (partial / "draft_card.json").write_text(json.dumps(card, indent=1) + "\n")
-    (partial / "README.md").write_text(
-        "# Feature-reading draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
-    )
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    partial.rename(out)
+    readme = "# Feature-reading draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
+    save_folder(out, draft, tokenizer, {"draft_card.json": json.dumps(card, indent=1) + "\n", "README.md": readme})
 
 
 if __name__ == "__main__":

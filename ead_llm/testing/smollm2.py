@@ -107,21 +107,13 @@ def fast_draft() -> Path:
         return target_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ead_llm.drafts.model import assemble, load_own
+    from ead_llm.drafts.model import assemble, load_own, save_folder
 
     source = full_model()
     config, own = load_own(SHIPPED_DRAFT)
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     draft = assemble(target, config, own)
-    partial = target_dir.with_name(target_dir.name + ".partial")
-    draft.save_pretrained(partial)
-    AutoTokenizer.from_pretrained(source).save_pretrained(partial)
-    (partial / "draft_card.json").write_text(card.read_text())
-    if target_dir.exists():
-        import shutil
-
-        shutil.rmtree(target_dir)
-    partial.rename(target_dir)
+    save_folder(target_dir, draft, AutoTokenizer.from_pretrained(source), {"draft_card.json": card.read_text()})
     return target_dir
 
 
@@ -132,7 +124,6 @@ def trained_draft(layers: int = DRAFT_LAYERS) -> Path | None:
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
+    from ead_llm.drafts.model import save_folder
+
+    save_folder(target, model, tokenizer)
