@@ -23,6 +23,7 @@ number of steps depend on the machine; ``--steps`` gives the same draft again on
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import random
@@ -319,24 +320,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     source = model_source("--large", args.large)
     check_source("--large", source)
-    options = {k: v for k, v in vars(args).items() if k in DISTILL_OPTIONS}
+    keywords = {k for k, p in inspect.signature(distill).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    options = {k: v for k, v in vars(args).items() if k in keywords}  # the CLI's own (e.g. func) left out
     return distill(source, Path(args.out), **options)
-
-
-DISTILL_OPTIONS = (
-    "minutes",
-    "steps",
-    "seed",
-    "vocab",
-    "samples",
-    "questions",
-    "max_tokens",
-    "lr",
-    "batch",
-    "threads",
-    "data",
-    "exclude",
-)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
