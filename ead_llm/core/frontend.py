@@ -175,15 +175,37 @@ class Frontend:
         self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
     ) -> AsyncEventStream:
         """:meth:`astream` with the checking and encoding (tokenizers, grammars) done in a worker thread, so the
-        event loop stays free; a bad request raises here. Cancelled while submitting, the requests are cancelled
-        as soon as they are queued (they are retired at the end of the step running then)."""
+        event loop stays free; a bad request raises here. Cancelled while submitting, the requests are never
+        queued, or, if the worker queued them first, cancelled before the cancellation reaches the caller (so
+        they are retired at the end of the step running then, never later)."""
         loop = asyncio.get_running_loop()
-        work = asyncio.ensure_future(asyncio.to_thread(self.astream, requests, timeout_s, isolate=isolate, loop=loop))
+        submission = _Submission()
+        work = asyncio.to_thread(self._submit_unless_abandoned, submission, requests, timeout_s, loop, isolate=isolate)
         try:
-            return await asyncio.shield(work)
+            return await asyncio.shield(asyncio.ensure_future(work))
         except asyncio.CancelledError:
-            work.add_done_callback(_close_submitted)  # queued after all: cancel it as soon as it is
+            submission.abandon()
             raise
+
+    def _submit_unless_abandoned(
+        self,
+        submission: _Submission,
+        requests: Sequence[Request],
+        timeout_s: float | None,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        isolate: bool,
+    ) -> AsyncEventStream:
+        """Check and encode ``requests`` (in a worker thread), then queue them unless the caller has left."""
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        inbox = async_inbox(call, loop)
+        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
+        with submission.lock:
+            if submission.abandoned:
+                stream._done = True
+                return stream
+            submission.stream = stream
+            return self._open(stream, call, sequences)
 
     def _submit(
         self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool
@@ -299,6 +321,18 @@ class Frontend:
         return builder.results(stream.failures)
 
 
-def _close_submitted(work: asyncio.Future[AsyncEventStream]) -> None:
-    if not work.cancelled() and work.exception() is None:
-        work.result().close()
+class _Submission:
+    """An async submission's hand-over between the worker that queues it and the caller that may leave first:
+    under ``lock``, either the worker sees ``abandoned`` and queues nothing, or the caller finds ``stream``
+    (queued) and cancels it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.stream: AsyncEventStream | None = None
+
+    def abandon(self) -> None:
+        with self.lock:
+            self.abandoned = True
+            if self.stream is not None:
+                self.stream.close()

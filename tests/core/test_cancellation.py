@@ -104,6 +104,63 @@ def test_cancelling_ainvoke_and_abatch_frees_the_engine(llm: EntropyAdaptiveLLM)
         assert_freed_within_one_step(engine, at)
 
 
+def test_a_call_cancelled_while_still_submitting_is_never_queued(
+    llm: EntropyAdaptiveLLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``abatch(return_exceptions=True)`` submits one call per input; cancelled once the first decodes, the
+    calls still being encoded in worker threads must not be queued afterwards (the race CI once lost: they
+    were queued after the cancel, and ran steps the caller no longer wanted)."""
+    engine = llm.shared_engine
+    submit, opened, release = engine._submit, [], threading.Event()
+    first = threading.Semaphore(1)
+
+    def held_back(requests: Any, timeout_s: Any, *, isolate: bool) -> Any:
+        if not first.acquire(blocking=False):  # every submission but the first waits until the caller has left
+            release.wait(60)
+        return submit(requests, timeout_s, isolate=isolate)
+
+    def counted_open(stream: Any, call: Any, sequences: Any) -> Any:
+        opened.append(call)
+        return Engine._open(engine, stream, call, sequences)
+
+    monkeypatch.setattr(engine, "_submit", held_back)
+    monkeypatch.setattr(engine, "_open", counted_open)
+
+    async def main() -> int:
+        steps = await cancel_once_decoding(engine, lambda: llm.abatch(PROMPTS[:6], return_exceptions=True))
+        release.set()
+        return steps
+
+    at = asyncio.run(main())  # asyncio.run waits for the worker threads it released
+    assert len(opened) == 1, f"{len(opened) - 1} calls were queued after their caller had left"
+    assert_freed_within_one_step(engine, at)
+
+
+def test_an_abandoned_submission_is_cancelled_or_never_queued(llama_pair) -> None:
+    """Both orders of the hand-over between the worker that queues and the caller that leaves."""
+    from ead_llm.core.frontend import _Submission
+
+    engine = Engine(llama_pair)
+    requests = [Request(p, LargeOnly(), SamplingParams(max_tokens=LONG, ignore_eos=True)) for p in PROMPTS[:2]]
+    loop = asyncio.new_event_loop()
+    try:
+        late = _Submission()
+        late.abandon()  # the caller left before the worker finished encoding
+        stream = engine._submit_unless_abandoned(late, requests, None, loop, isolate=False)
+        assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0} and engine.steps == 0
+        assert not stream._call.open
+
+        early = _Submission()
+        stream = engine._submit_unless_abandoned(early, requests, None, loop, isolate=False)
+        assert not stream._call.cancelled
+        early.abandon()  # the worker queued first: leaving cancels at once, not when the loop next runs
+        assert stream._call.cancelled
+        wait_idle(engine)
+        assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    finally:
+        loop.close()
+
+
 def test_cancelling_a_chat_call_and_a_stream_frees_the_engine(llama_paths) -> None:
     small, large = llama_paths
     chat = ChatEntropyAdaptive(small=str(small), large=str(large), max_tokens=LONG, ignore_eos=True)
