@@ -367,10 +367,16 @@ def distill(
     started = time.perf_counter()
     asked = questions_of(seed, questions)
     cached = Path(data) if data else None
+    answers = cached.with_name(cached.name + ".answers") if cached is not None else None
     if cached is not None and cached.exists():
         examples = torch.load(cached, weights_only=False)
     else:
-        examples = written(source, asked, seed, samples, max_tokens, None)
+        if answers is not None and answers.exists():  # the answers of a run that stopped before the features
+            examples = torch.load(answers, weights_only=False)
+        else:
+            examples = written(source, asked, seed, samples, max_tokens, None)
+            if answers is not None:
+                torch.save(examples, answers)
         target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
         read_features(target, examples)
         del target

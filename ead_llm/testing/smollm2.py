@@ -117,6 +117,27 @@ def fast_draft() -> Path:
     return target_dir
 
 
+def ship_draft(trained: Path, command: str) -> Path:
+    """Write the own weights of a draft folder that ``ead-llm distill`` made for this model into
+    :data:`SHIPPED_DRAFT`, with its card (plus the ``command`` that made it) and a README: what the project
+    ships, and what :func:`fast_draft` assembles."""
+    import json
+
+    from ead_llm.drafts.model import FeatureDraft, save_own
+
+    card = {**json.loads((trained / "draft_card.json").read_text()), "command": command}
+    save_own(FeatureDraft.from_pretrained(trained, dtype=torch.float32), SHIPPED_DRAFT)
+    (SHIPPED_DRAFT / "draft_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    lines = [f"- {k}: {v}" for k, v in card.items()]
+    (SHIPPED_DRAFT / "README.md").write_text(
+        "# SmolLM2-135M-Instruct draft (own weights only)\n\n"
+        "Assembled with the model's embeddings and head rows by `ead_llm.testing.smollm2.fast_draft()`.\n\n"
+        + "\n".join(lines)
+        + "\n"
+    )
+    return SHIPPED_DRAFT
+
+
 def trained_draft(layers: int = DRAFT_LAYERS) -> Path | None:
     """The distilled draft's folder, if ``python -m ead_llm.testing.distill`` has built it here."""
     target = cache_dir() / f"{FULL}-draft{layers}"

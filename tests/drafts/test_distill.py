@@ -4,6 +4,7 @@ options are refused before any model loads."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,44 @@ def test_a_missing_target_folder_is_named(tmp_path: Path, capsys: pytest.Capture
 def test_the_cli_has_the_subcommand() -> None:
     args = build_parser().parse_args(["distill", "--large", "m", "--out", "o", "--steps", "2", "--exclude", "b.jsonl"])
     assert args.steps == 2 and args.exclude == "b.jsonl" and args.func.__name__ == "cmd_distill"
+
+
+def test_answers_are_kept_before_the_features_and_reused(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that stops after the answers (killed while reading features) resumes from them: the target is not
+    asked again, and the draft is the one an uninterrupted run makes."""
+    data = tmp_path / "data.pt"
+    whole = distill.main(_args(target, tmp_path / "a", "--data", str(data)))
+    assert data.is_file() and (tmp_path / "data.pt.answers").is_file()
+    data.unlink()  # as if the run had died after writing its answers
+
+    def asked_again(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target wrote its answers again")
+
+    monkeypatch.setattr(distill, "written", asked_again)
+    resumed = distill.main(_args(target, tmp_path / "b", "--data", str(data)))
+    assert data.is_file()
+    assert resumed["top1_agreement_after"] == whole["top1_agreement_after"]
+    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ship_draft_writes_what_fast_draft_assembles(
+    target: Path, trained: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from ead_llm.testing import smollm2
+
+    monkeypatch.setattr(smollm2, "SHIPPED_DRAFT", tmp_path / "shipped")
+    shipped = smollm2.ship_draft(trained[0], "ead-llm distill --steps 2")
+    assert sorted(p.name for p in shipped.iterdir()) == ["README.md", "config.json", "draft_card.json", OWN_FILE]
+    card = json.loads((shipped / "draft_card.json").read_text())
+    assert card["command"] == "ead-llm distill --steps 2" and card["steps"] == trained[1]["steps"]
+    distill.register()
+    config, own = load_own(shipped)
+    rebuilt = assemble(AutoModelForCausalLM.from_pretrained(target), config, own)
+    original = AutoModelForCausalLM.from_pretrained(trained[0])
+    for name, weight in original.state_dict().items():  # the own weights went through float16
+        assert torch.allclose(rebuilt.state_dict()[name].float(), weight.float(), atol=1e-3), name
