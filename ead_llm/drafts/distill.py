@@ -239,9 +239,10 @@ def read_features(target: Any, examples: list[Example]) -> None:
     for group in batches(examples, 16):
         ids, mask = padded(group)
         features = target_features(target, ids, mask).float()
+        best = head(features).argmax(-1)  # one logits tensor per batch, too large for the heap: mapped and unmapped
         for row, example in enumerate(group):
             example.features = features[row, : len(example.ids)]
-            example.best = head(features[row, example.start : len(example.ids) - 1]).argmax(-1)
+            example.best = best[row, example.start : len(example.ids) - 1]
 
 
 def frequent_tokens(examples: list[Example], size: int, vocab: int, always: list[int]) -> torch.Tensor:
