@@ -43,6 +43,17 @@ REPLICA_HEADER = "x-ead-replica"
 PROXY_CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 PROXY_CALLBACK = "ead_llm.serving.ray:proxy_middlewares"
 RETRY_AFTER_S = 1
+PATIENT_PROXY = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+"""Serve's defaults (5 s for the proxy to start, 10 s per health check, else it is killed) lost the proxy on a
+busy 2-core machine (CI: ``ActorDiedError ... killed by ray.kill`` at setup); a local cluster gets these unless
+they are set."""
+
+
+def local_cluster_environment() -> None:
+    """The environment a local cluster started from here inherits: the proxy's middleware, a patient proxy."""
+    os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)
+    for name, value in PATIENT_PROXY.items():
+        os.environ.setdefault(name, value)
 
 
 class NoReplicaAnswered:
@@ -207,7 +218,7 @@ def run(
 
     serve = _ray()
     if not ray.is_initialized():
-        os.environ.setdefault(PROXY_CALLBACK_ENV, PROXY_CALLBACK)  # the proxy inherits the local cluster's environment
+        local_cluster_environment()
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     elif os.environ.get(PROXY_CALLBACK_ENV) != PROXY_CALLBACK:
         logger.warning(

@@ -29,7 +29,14 @@ import ray
 from ray import serve
 
 from ead_llm import EntropyAdaptiveLLM
-from ead_llm.serving.ray import PROXY_CALLBACK, PROXY_CALLBACK_ENV, REPLICA_HEADER, deployment, run
+from ead_llm.serving.ray import (
+    PROXY_CALLBACK,
+    PROXY_CALLBACK_ENV,
+    REPLICA_HEADER,
+    deployment,
+    local_cluster_environment,
+    run,
+)
 
 PROMPT = "4821+3907-1568\n"
 BOUND_S = 180.0
@@ -61,6 +68,7 @@ def _ray_processes() -> list[str]:
 def url() -> Iterator[str]:
     port = _free_port()
     os.environ[PROXY_CALLBACK_ENV] = PROXY_CALLBACK  # before the cluster starts: its proxy inherits it
+    local_cluster_environment()  # and a proxy that a busy machine does not get killed
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     run(deployment({"max_tokens": 200}, replicas=2, num_cpus=0.5), port=port, blocking=False)
     yield f"http://127.0.0.1:{port}"
