@@ -166,10 +166,8 @@ class Frontend:
     ) -> AsyncEventStream:
         """:meth:`stream` for async callers: the stream is read on ``loop`` (default: the running one) with no
         thread per item, and cancelling the task that awaits it cancels the requests within one step."""
-        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
-        inbox = async_inbox(call, loop or asyncio.get_running_loop())
-        stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
-        return self._open(stream, call, sequences)
+        loop = loop or asyncio.get_running_loop()
+        return self._submit_unless_abandoned(_Submission(), requests, timeout_s, loop, isolate=isolate)
 
     async def asubmit(
         self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
@@ -196,7 +194,8 @@ class Frontend:
         *,
         isolate: bool,
     ) -> AsyncEventStream:
-        """Check and encode ``requests`` (in a worker thread), then queue them unless the caller has left."""
+        """Check and encode ``requests`` (in :meth:`asubmit`'s worker thread, or inline for :meth:`astream`), then
+        queue them unless ``submission`` was abandoned meanwhile."""
         call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
         inbox = async_inbox(call, loop)
         stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
