@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from ead_llm.drafts import add_arguments
 from ead_llm.drafts.model import (
     FeatureDraft,
+    card_files,
     new_draft,
     own_state,
     previous,
@@ -232,9 +233,11 @@ def padded(group: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
 def read_features(target: Any, examples: list[Example]) -> None:
     """Keep the target's features and greedy next tokens on every example.
 
-    Each example's features are a view into its batch's one tensor (batches are sorted by length, so little
-    is padding): a copy per example, 250 KB each between the pass's large temporaries, fragmented the heap
-    until the process held 20 times the features' size (killed for memory at 3,700 answers)."""
+    Memory: one logits tensor per batch (mapped and unmapped whole), and each example's features a view into
+    its batch's one tensor (batches are sorted by length, so little is padding). A logits tensor per example
+    (10-20 MB, from the heap once glibc's mmap threshold had risen) and, less so, a 250 KB copy of the
+    features per example fragmented the heap around the features kept between them until the process held
+    20 times their size (killed for memory at 3,700 answers)."""
     head = target.get_output_embeddings()
     for group in batches(examples, 16):
         ids, mask = padded(group)
@@ -506,8 +509,7 @@ def questions_of(seed: int, count: int | None) -> list[str]:
 
 def save(draft: FeatureDraft, tokenizer: Any, out: Path, card: dict[str, Any]) -> None:
     """Write the whole draft (loadable as ``small=``) with its card, atomically."""
-    readme = "# Feature-reading draft\n\n" + "\n".join(f"- {k}: {v}" for k, v in card.items()) + "\n"
-    save_folder(out, draft, tokenizer, {"draft_card.json": json.dumps(card, indent=1) + "\n", "README.md": readme})
+    save_folder(out, draft, tokenizer, card_files(card, "Feature-reading draft"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ The token embeddings and the head rows are the target's, copied in when the draf
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,13 @@ def save_folder(folder: Path, model: Any, tokenizer: Any, files: dict[str, str] 
 
         shutil.rmtree(folder)
     partial.rename(folder)
+
+
+def card_files(card: dict[str, Any], title: str, intro: str = "") -> dict[str, str]:
+    """The text files that go beside a draft: its card as JSON and a README listing it (name: content)."""
+    lines = "\n".join(f"- {k}: {v}" for k, v in card.items())
+    readme = f"# {title}\n\n" + (f"{intro}\n\n" if intro else "") + lines + "\n"
+    return {"draft_card.json": json.dumps(card, indent=1) + "\n", "README.md": readme}
 
 
 OWN_FILE = "own.safetensors"

@@ -123,18 +123,17 @@ def ship_draft(trained: Path, command: str) -> Path:
     ships, and what :func:`fast_draft` assembles."""
     import json
 
-    from ead_llm.drafts.model import FeatureDraft, save_own
+    from ead_llm.drafts.model import FeatureDraft, card_files, save_own
 
     card = {**json.loads((trained / "draft_card.json").read_text()), "command": command}
     save_own(FeatureDraft.from_pretrained(trained, dtype=torch.float32), SHIPPED_DRAFT)
-    (SHIPPED_DRAFT / "draft_card.json").write_text(json.dumps(card, indent=1) + "\n")
-    lines = [f"- {k}: {v}" for k, v in card.items()]
-    (SHIPPED_DRAFT / "README.md").write_text(
-        "# SmolLM2-135M-Instruct draft (own weights only)\n\n"
-        "Assembled with the model's embeddings and head rows by `ead_llm.testing.smollm2.fast_draft()`.\n\n"
-        + "\n".join(lines)
-        + "\n"
+    files = card_files(
+        card,
+        "SmolLM2-135M-Instruct draft (own weights only)",
+        "Assembled with the model's embeddings and head rows by `ead_llm.testing.smollm2.fast_draft()`.",
     )
+    for name, text in files.items():
+        (SHIPPED_DRAFT / name).write_text(text)
     return SHIPPED_DRAFT
 
 
