@@ -4,7 +4,7 @@ Each packed token at position ``p`` reads the feature of ``p - 1``: the target's
 target has run there (its cache keeps them), else the draft's own output there from an earlier pass (its guess
 of the target's), else zeros (a prompt the draft reads first). The runner gathers them
 (:meth:`ead_llm.core.model_runner.ModelRunner.execute`); this pass joins them with the token embeddings, runs the
-draft's one layer on the paged cache (the same fused layer as :mod:`ead_llm.core.fused_llama`), stores its own
+draft's layers on the paged cache (the same fused layer as :mod:`ead_llm.core.fused_llama`), stores its own
 outputs as features in its cache, and returns logits over the vocabulary, ``-inf`` outside its head's tokens.
 """
 
@@ -33,7 +33,7 @@ class FusedDraft:
         self.embedding = model.embed_tokens.weight
         self.fc = model.fc.weight
         self.rotary = model.rotary_emb
-        self.layer = FusedLayer(model.layer)
+        self.layers = [FusedLayer(layer) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = model.head.weight
         self.index = model.vocab_index
@@ -47,7 +47,9 @@ class FusedDraft:
         indices read -> logits [N, V] (model dtype, ``-inf`` outside the head's tokens)."""
         x = F.linear(torch.cat((F.embedding(ids, self.embedding), features.to(self.fc.dtype)), dim=-1), self.fc)[None]
         cos, sin = self.rotary(x, positions[None])
-        x = self.layer(x, cos.unsqueeze(1), signed_sin(sin.unsqueeze(1)), batch)
+        cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
         out = rms_norm(x, *self.norm)[0]  # [T, hidden]
         batch.cache.write_features(batch.write_slots, out)
         sub = F.linear(out[keep], self.head)  # [N, K]

@@ -1,4 +1,4 @@
-"""Drafts made for a target: a one-layer draft over the target's hidden states (:mod:`ead_llm.drafts.model`) and
+"""Drafts made for a target: a small draft over the target's hidden states (:mod:`ead_llm.drafts.model`) and
 ``ead-llm distill`` that trains it (:mod:`ead_llm.drafts.distill`). Importing this package loads no torch."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--minutes", type=float, default=60.0, help="training time (default 60; the data comes first)")
     p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (overrides --minutes)")
     p.add_argument("--seed", type=int, default=0, help="questions, split, batches and noise (default 0)")
+    p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft (default 1, as EAGLE)")
     p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
     p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled (4)")
     p.add_argument("--questions", type=int, default=None, help="use only the first N questions (default: all)")

@@ -6,10 +6,10 @@
    and ``samples - 1`` sampled at temperature 0.8, top-p 0.95): the text a draft meets.
 2. Its final hidden states on that text are kept: they are the draft's inputs, and its head on them gives the
    next-token distributions the draft learns.
-3. The draft's head keeps the ``vocab`` tokens the target wrote most often (FR-Spec); its layer starts as the
-   target's last layer; its layer, join and norm are trained (the embeddings and head rows stay the target's)
-   to minimise the cross-entropy of the target's distribution (restricted to the head's tokens) plus a
-   smooth-L1 pull of its output toward the target's feature, for ``minutes`` or ``steps`` steps (AdamW, a
+3. The draft's head keeps the ``vocab`` tokens the target wrote most often (FR-Spec); its ``layers`` layers (1 by
+   default) start as the target's last ones; its layers, join and norm are trained (the embeddings and head rows
+   stay the target's) to minimise the cross-entropy of the target's distribution (restricted to the head's tokens)
+   plus a smooth-L1 pull of its output toward the target's feature, for ``minutes`` or ``steps`` steps (AdamW, a
    cosine decay). Prompt positions mostly get zero features, as in the engine when the draft reads a prompt
    before the target.
 4. Top-1 agreement with the target is measured on answers to held-out questions (not only held-out answers),
@@ -38,6 +38,7 @@ from torch.nn import functional as F
 
 from ead_llm.drafts import add_arguments
 from ead_llm.drafts.model import (
+    OWN,
     FeatureDraft,
     card_files,
     new_draft,
@@ -318,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check parsed options (a ``ValueError`` naming the option) and distill; return the card."""
-    for name in ("steps", "vocab", "samples", "questions", "max_tokens", "batch", "threads"):
+    for name in ("steps", "layers", "vocab", "samples", "questions", "max_tokens", "batch", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -351,6 +352,7 @@ def distill(
     minutes: float = 60.0,
     steps: int | None = None,
     seed: int = 0,
+    layers: int = 1,
     vocab: int = 8192,
     samples: int = 4,
     questions: int | None = None,
@@ -403,7 +405,7 @@ def distill(
         1, sum(len(e.ids) - e.start - 1 for e in held)
     )
     torch.manual_seed(seed)
-    draft = new_draft(target, index).float()
+    draft = new_draft(target, index, layers).float()
     del target
     before = agreement(draft.eval(), held)
     data_s = time.perf_counter() - started
@@ -411,7 +413,7 @@ def distill(
         f"data: {len(train)} answers to train on, {len(held)} to {len(held_questions)} held-out questions, "
         f"{data_s:.0f} s; head covers {coverage:.3f} of held-out tokens; top-1 agreement {before:.3f}"
     )
-    trainable = [p for name, p in draft.named_parameters() if name.startswith(("fc.", "layer.", "norm."))]
+    trainable = [p for name, p in draft.named_parameters() if name.startswith(OWN)]
     for param in draft.parameters():
         param.requires_grad = False
     for param in trainable:
@@ -455,7 +457,8 @@ def distill(
     after_real_prompt = agreement(draft, held, zero_prompt=False)
     card = {
         "target": source,
-        "design": "one decoder layer over the target's final hidden states and token embeddings (EAGLE-style), "
+        "design": f"{layers} decoder layer(s) over the target's final hidden states and token embeddings "
+        "(EAGLE-style), "
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
         "data": f"{len(train)} answers the target wrote to {len(kept) - len(held_questions)} seeded chat questions "
         f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",

@@ -1,19 +1,19 @@
 """A draft that reads its target's hidden states (EAGLE-style), with a head over the target's most frequent tokens.
 
-The draft is one decoder layer on top of the target's own features. At position ``p`` it takes the
+The draft is one decoder layer (or a few) on top of the target's own features. At position ``p`` it takes the
 embedding of token ``x_p`` and the target's final hidden state (after its last norm, what its head reads)
-at ``p - 1``, joins them with one linear map, runs one Llama decoder layer with its own attention and KV
+at ``p - 1``, joins them with one linear map, runs its Llama decoder layers with their own attention and KV
 cache, normalises, and predicts ``x_{p+1}`` with the target's head restricted to ``draft_vocab_size`` tokens
 (FR-Spec, arXiv 2502.14856: the rows of the most frequent tokens; the others get ``-inf``). Its output at ``p``
 is also its guess of the target's feature at ``p``: where the target has not run yet (a draft of several
 tokens), the next position reads that guess instead (EAGLE, arXiv 2401.15077).
 
 Where no feature exists at all (the first position, or a prompt the draft reads before the target has), the
-feature is zero: the draft is trained with zero features over prompts, so it then acts as a one-layer model
-of the text alone.
+feature is zero: the draft is trained with zero features over prompts, so it then acts as a small model of
+the text alone.
 
 The token embeddings and the head rows are the target's, copied in when the draft is assembled
-(:func:`assemble`), so the weights a draft brings of its own are one layer, one linear map and a norm.
+(:func:`assemble`), so the weights a draft brings of its own are its layers, one linear map and a norm.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ MODEL_TYPE = "ead_feature_draft"
 
 
 class FeatureDraftConfig(LlamaConfig):
-    """A Llama config of one layer, plus the size of the draft's head."""
+    """A Llama config (one layer by default), plus the size of the draft's head."""
 
     model_type = MODEL_TYPE
 
@@ -60,7 +60,7 @@ class FeatureDraft(PreTrainedModel):
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
-        self.layer = LlamaDecoderLayer(config, layer_idx=0)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(config.num_hidden_layers))
         self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb: Any = LlamaRotaryEmbedding(config)
         self.head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
@@ -83,9 +83,9 @@ class FeatureDraft(PreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(input_ids)
         x = self.fc(torch.cat((self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)), dim=-1))
-        x = self.layer(
-            x, attention_mask=None, position_ids=position_ids, position_embeddings=self.rotary_emb(x, position_ids)
-        )
+        rotary = self.rotary_emb(x, position_ids)
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=rotary)
         out = self.norm(x)
         return out, self.head(out)
 
@@ -130,12 +130,16 @@ def previous(features: torch.Tensor) -> torch.Tensor:
     return F.pad(features[:, :-1], (0, 0, 1, 0))
 
 
-def new_draft(target: Any, vocab_index: torch.Tensor) -> FeatureDraft:
-    """A draft for ``target`` (a Llama-family causal LM), its layer initialised from the target's last layer,
-    its embeddings and head rows (``vocab_index``: the tokens it may draft) the target's, frozen."""
+def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1) -> FeatureDraft:
+    """A draft of ``layers`` decoder layers for ``target`` (a Llama-family causal LM), initialised from the
+    target's last ``layers`` layers, its embeddings and head rows (``vocab_index``: the tokens it may draft) the
+    target's, frozen."""
+    if not 1 <= layers <= len(target.model.layers):
+        raise ValueError(f"a draft has 1 to {len(target.model.layers)} layers for this target, not {layers}")
     source = target.config
     config = FeatureDraftConfig(
         draft_vocab_size=int(vocab_index.numel()),
+        num_hidden_layers=layers,
         vocab_size=int(source.vocab_size),
         hidden_size=int(source.hidden_size),
         intermediate_size=int(source.intermediate_size),
@@ -154,7 +158,8 @@ def new_draft(target: Any, vocab_index: torch.Tensor) -> FeatureDraft:
         draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         draft.head.weight.copy_(target.get_output_embeddings().weight[vocab_index])
         draft.vocab_index.copy_(vocab_index)  # type: ignore[operator]
-        draft.layer.load_state_dict(target.model.layers[-1].state_dict())
+        for mine, theirs in zip(draft.layers, target.model.layers[-layers:], strict=True):
+            mine.load_state_dict(theirs.state_dict())
         draft.norm.weight.copy_(target.model.norm.weight)
         hidden = config.hidden_size
         draft.fc.weight.zero_()
@@ -162,7 +167,7 @@ def new_draft(target: Any, vocab_index: torch.Tensor) -> FeatureDraft:
     return draft.to(target.dtype)
 
 
-OWN = ("fc.", "layer.", "norm.")
+OWN = ("fc.", "layers.", "norm.")
 """Parameter prefixes that are the draft's own (the rest is copied from the target at assembly)."""
 
 
@@ -175,7 +180,7 @@ def own_state(draft: FeatureDraft) -> dict[str, torch.Tensor]:
 
 def assemble(target: Any, config: FeatureDraftConfig, own: dict[str, torch.Tensor]) -> FeatureDraft:
     """A whole draft from its own weights (:func:`own_state`) and ``target``'s embeddings and head."""
-    draft = new_draft(target, own["vocab_index"].long())
+    draft = new_draft(target, own["vocab_index"].long(), int(config.num_hidden_layers))
     if draft.config.draft_vocab_size != config.draft_vocab_size:
         raise ValueError("the draft's head size does not match its weights")
     missing = [k for k in draft.state_dict() if k.startswith(OWN) and k not in own]

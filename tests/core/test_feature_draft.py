@@ -22,17 +22,19 @@ from ead_llm.testing.tiny import TinyShape, build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
 
-@pytest.fixture(scope="module")
-def feature_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A tiny one-layer Llama target with a chat template, and a draft made from it: its layer is the target's
-    (so on its own it mostly agrees), its join slightly off the identity (so the features matter) and its head
-    without every 7th token (so some drafts must be rejected)."""
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer-draft", "2-layer-draft"])
+def feature_pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
+    """A tiny Llama target of one or two layers with a chat template, and a draft of as many layers made from it:
+    its layers are the target's (so on its own it mostly agrees), its join slightly off the identity (so the
+    features matter) and its head without every 7th token (so some drafts must be rejected)."""
     root = tmp_path_factory.mktemp("feature-pair")
     tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
     tokenizer.chat_template = CHAT_TEMPLATE
-    _, large = build_tiny_pair(root, tokenizer=tokenizer, large=TinyShape(hidden=64, layers=1, heads=4, mlp=128))
+    shape = TinyShape(hidden=64, layers=request.param, heads=4, mlp=128)
+    _, large = build_tiny_pair(root, tokenizer=tokenizer, large=shape)
     target = AutoModelForCausalLM.from_pretrained(large)
-    draft = new_draft(target, torch.tensor([t for t in range(len(tokenizer)) if t % 7]))
+    draft = new_draft(target, torch.tensor([t for t in range(len(tokenizer)) if t % 7]), layers=request.param)
+    assert len(draft.layers) == request.param
     with torch.no_grad():
         draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
     draft.save_pretrained(root / "draft")
@@ -140,6 +142,13 @@ def test_a_draft_is_rebuilt_from_its_own_weights_and_its_targets(feature_pair: t
     again = assemble(target, draft.config, own)
     ids = torch.tensor([[5, 9, 40, 77]])
     assert torch.equal(again(ids).logits, draft(ids).logits)
+
+
+def test_a_draft_has_at_most_its_targets_layers(feature_pair: tuple[Path, Path]) -> None:
+    _, target = _models(feature_pair)
+    for layers in (0, len(target.model.layers) + 1):
+        with pytest.raises(ValueError, match="1 to"):
+            new_draft(target, torch.arange(10), layers)
 
 
 def test_a_feature_draft_needs_a_llama_family_target(feature_pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     large = AutoModelForCausalLM.from_pretrained(target)
     assert draft.vocab_index.numel() == 200
     # trained: the layer moved away from the target's last layer it started as; the embeddings stayed the target's
-    moved = draft.layer.mlp.down_proj.weight
+    moved = draft.layers[0].mlp.down_proj.weight
     assert not torch.equal(moved, large.model.layers[-1].mlp.down_proj.weight)
     assert torch.equal(draft.embed_tokens.weight, large.model.embed_tokens.weight)
     assert torch.equal(draft.head.weight, large.lm_head.weight[draft.vocab_index])
@@ -115,6 +115,7 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
     [
         (["--steps", "0"], "--steps must be at least 1"),
         (["--vocab", "-3"], "--vocab must be at least 1"),
+        (["--layers", "0"], "--layers must be at least 1"),
         (["--minutes", "0"], "--minutes and --lr must be positive"),
         (["--lr", "nan"], "--minutes and --lr must be positive"),
     ],
