@@ -45,6 +45,7 @@ def test_every_example_is_covered(name: str) -> None:
 
 
 @pytest.mark.real_model
+@pytest.mark.slow  # 20-30 s of agent turns on the real model
 def test_agent_tools(tmp_path: Path) -> None:
     from tests.real.conftest import _missing
 

@@ -14,6 +14,7 @@ from ead_llm.testing import distill, smollm2
 pytestmark = pytest.mark.real_model
 
 
+@pytest.mark.slow  # 20-35 s; tests/drafts covers ead-llm distill in the README's suite
 def test_two_steps_write_a_trained_draft_with_its_card(real_paths: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "draft"
     card = distill.main(["--questions", "3", "--steps", "2", "--batch", "2", "--threads", "1", "--out", str(out)])

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.real_model
 OPENING = "The capital of Japan is"
 
 
+@pytest.mark.slow  # 45-75 s: three engines load the GGUF file
 def test_a_gguf_file_is_a_source_like_a_folder(real_paths: tuple[Path, Path]) -> None:
     gguf = str(smollm2.gguf_path())
     from_gguf = EntropyAdaptiveLLM(small=gguf, large=gguf, policy=LargeOnly(), max_tokens=16)

@@ -98,6 +98,7 @@ def test_dspy_predict_with_its_chat_adapter_runs(real_paths) -> None:
     assert lm.history[-1]["ead_cost"]["completion_tokens"] > 0
 
 
+@pytest.mark.slow  # 30-45 s of a ReAct loop on the real model
 def test_dspy_react_with_two_tools_runs_and_the_grammar_picks_a_real_tool(real_paths) -> None:
     from ead_llm import EntropyAdaptiveLLM, StrictJSONAdapter
 

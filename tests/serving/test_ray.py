@@ -38,6 +38,8 @@ from ead_llm.serving.ray import (
     run,
 )
 
+pytestmark = pytest.mark.slow  # a local cluster takes 30-60 s to start: CI runs these after the README's suite
+
 PROMPT = "4821+3907-1568\n"
 BOUND_S = 180.0
 """Longest wait for the cluster to reach a state (replicas replaced, sequences freed): a bound, not a timing."""
