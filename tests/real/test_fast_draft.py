@@ -1,0 +1,89 @@
+"""The shipped SmolLM2 draft (``smollm2.fast_draft()``): its size and card, assembly once, lossless greedy
+speculative decoding against LargeOnly on 8 chat prompts it never trained on, and the entropy policies on it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ead_llm import EAD, EASD, LargeOnly, SpeculativeDecoding
+from ead_llm.adapters.prompts import render
+from ead_llm.core.engine import Engine
+from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.request import Completion, Request, SamplingParams
+from ead_llm.core.types import Role
+from ead_llm.drafts.distill import held_out_questions
+from ead_llm.policies.base import Policy
+from ead_llm.testing import smollm2
+
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # a minute or two: CI's slow set
+
+TASK = Path(__file__).resolve().parents[2] / "docs" / "bench-smollm2" / "task.jsonl"
+CARD_KEYS = {"target", "design", "data", "steps", "seed", "command", "top1_agreement_after", "own_parameters"}
+
+
+@pytest.fixture(scope="module")
+def engine(real_paths: tuple[Path, Path]) -> Engine:
+    full = real_paths[1]
+    return Engine(load_pair(LoadConfig(small=str(smollm2.fast_draft()), large=str(full), device="cpu")))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: Engine) -> list[list[int]]:
+    """Four questions distill held out and four of the bench's, which it was told to leave out."""
+    held = held_out_questions(0, None, str(TASK))[:4]
+    bench = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()][:4]
+    return [list(map(int, render(engine.tokenizer, [("user", q)], "chat"))) for q in held + bench]
+
+
+def run(engine: Engine, prompts: list[list[int]], policy: Policy) -> list[Completion]:
+    return engine.generate([Request(p, policy, SamplingParams(max_tokens=32)) for p in prompts])
+
+
+def test_the_shipped_draft_is_small_and_carries_its_card() -> None:
+    size = sum(p.stat().st_size for p in smollm2.SHIPPED_DRAFT.iterdir())
+    assert size <= 25 * 2**20
+    card = json.loads((smollm2.SHIPPED_DRAFT / "draft_card.json").read_text())
+    assert card.keys() >= CARD_KEYS
+    assert card["command"].startswith("ead-llm distill")
+
+
+def test_fast_draft_assembles_once(real_paths: tuple[Path, Path]) -> None:
+    folder = smollm2.fast_draft()
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert smollm2.fast_draft() == folder
+    assert (folder / "config.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize(
+    ("policy", "least_accepted"),
+    # gamma 1 drafts from the target's own features (the card's held-out agreement is 0.51; untrained, 0.002);
+    # longer drafts read the draft's guesses of the features from their second token on, and fare worse
+    [(SpeculativeDecoding(gamma=1), 0.45), (SpeculativeDecoding(adaptive_gamma=True), 0.3)],
+    ids=["gamma1", "adaptive"],
+)
+def test_greedy_speculative_decoding_with_the_draft_equals_large_only(engine, prompts, policy, least_accepted) -> None:
+    large = run(engine, prompts, LargeOnly())
+    spec = run(engine, prompts, policy)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in large]
+    drafted = sum(c.cost.extra["drafted_tokens"] for c in spec)
+    accepted = sum(c.cost.extra["accepted_tokens"] for c in spec)
+    assert drafted > 0 and accepted / drafted > least_accepted
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [
+        EAD(threshold=1.0, window=3, min_dwell=2),
+        EAD(threshold=1.0, window=3, min_dwell=2, lookahead=True, start_on=Role.LARGE),
+        EASD(gamma=3),
+    ],
+    ids=["ead", "ead-lookahead", "easd"],
+)
+def test_entropy_policies_run_on_the_draft_and_bill_both_models(engine, prompts, policy) -> None:
+    done = run(engine, prompts[:4], policy)
+    assert all(c.token_ids for c in done)
+    assert sum(c.cost.small_processed_tokens for c in done) > 0
+    assert sum(c.cost.large_processed_tokens for c in done) > 0
