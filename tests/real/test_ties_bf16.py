@@ -115,6 +115,7 @@ def test_rounds_on_bf16_logits_emit_the_full_model_distribution(
     check(first, probs, DRAWS)
 
 
+@pytest.mark.timeout(1200)  # thousands of bf16 draws through the engine: minutes on 2 busy cores
 def test_the_engine_in_bf16_samples_speculatively_as_the_full_model_does(
     bf16_pair: ModelPair, logits: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
