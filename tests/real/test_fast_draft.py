@@ -14,13 +14,11 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.core.types import Role
-from ead_llm.drafts.distill import held_out_questions
 from ead_llm.policies.base import Policy
 from ead_llm.testing import smollm2
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]  # a minute or two: CI's slow set
 
-TASK = Path(__file__).resolve().parents[2] / "docs" / "bench-smollm2" / "task.jsonl"
 CARD_KEYS = {"target", "design", "data", "steps", "seed", "command", "top1_agreement_after", "own_parameters"}
 
 
@@ -33,9 +31,13 @@ def engine(real_paths: tuple[Path, Path]) -> Engine:
 @pytest.fixture(scope="module")
 def prompts(engine: Engine) -> list[list[int]]:
     """Four questions distill held out and four of the bench's, which it was told to leave out."""
-    held = held_out_questions(0, None, str(TASK))[:4]
-    bench = [json.loads(line)["prompt"] for line in TASK.read_text().splitlines() if line.strip()][:4]
-    return [list(map(int, render(engine.tokenizer, [("user", q)], "chat"))) for q in held + bench]
+    return [list(map(int, render(engine.tokenizer, [("user", q)], "chat"))) for q in smollm2.unseen_questions(8)]
+
+
+@pytest.fixture(scope="module")
+def large_only(engine: Engine, prompts: list[list[int]]) -> list[Completion]:
+    """The reference: the target alone."""
+    return run(engine, prompts, LargeOnly())
 
 
 def run(engine: Engine, prompts: list[list[int]], policy: Policy) -> list[Completion]:
@@ -47,6 +49,7 @@ def test_the_shipped_draft_is_small_and_carries_its_card() -> None:
     assert size <= 25 * 2**20
     card = json.loads((smollm2.SHIPPED_DRAFT / "draft_card.json").read_text())
     assert card.keys() >= CARD_KEYS
+    assert card["target"] == smollm2.MODEL_NAME  # a model's name, not the path of one machine's cache
     assert card["command"].startswith("ead-llm distill")
 
 
@@ -64,10 +67,11 @@ def test_fast_draft_assembles_once(real_paths: tuple[Path, Path]) -> None:
     [(SpeculativeDecoding(gamma=1), 0.45), (SpeculativeDecoding(adaptive_gamma=True), 0.3)],
     ids=["gamma1", "adaptive"],
 )
-def test_greedy_speculative_decoding_with_the_draft_equals_large_only(engine, prompts, policy, least_accepted) -> None:
-    large = run(engine, prompts, LargeOnly())
+def test_greedy_speculative_decoding_with_the_draft_equals_large_only(
+    engine, prompts, large_only, policy, least_accepted
+) -> None:
     spec = run(engine, prompts, policy)
-    assert [c.token_ids for c in spec] == [c.token_ids for c in large]
+    assert [c.token_ids for c in spec] == [c.token_ids for c in large_only]
     drafted = sum(c.cost.extra["drafted_tokens"] for c in spec)
     accepted = sum(c.cost.extra["accepted_tokens"] for c in spec)
     assert drafted > 0 and accepted / drafted > least_accepted
