@@ -118,10 +118,10 @@ def _pre(hidden: Any, norm: Any, eps: float, qkv: Any, bias: Any, cos: Any, sin:
 
 def _post(hidden: Any, attended: Any, layer: fused_llama.FusedLayer) -> Any:
     tokens = hidden.shape[1]
-    hidden = hidden + F.linear(attended.reshape(1, tokens, -1), layer.o, layer.o_bias)
+    hidden = hidden + F.linear(attended.reshape(1, tokens, -1), layer.o.weight, layer.o.bias)
     x = F.rms_norm(hidden, layer.post_norm[0].shape, layer.post_norm[0], layer.post_norm[1])
-    gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return hidden + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+    gate, up = F.linear(x, layer.gate_up.weight, layer.gate_up.bias).chunk(2, dim=-1)
+    return hidden + F.linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
 
 
 def compiled(repeats: int, tokens: int) -> None:
@@ -133,7 +133,7 @@ def compiled(repeats: int, tokens: int) -> None:
 
     def layer_compiled(self: fused_llama.FusedLayer, hidden: Any, cos: Any, sin: Any, batch: Any) -> Any:
         shape = (self.heads, self.kv_heads, self.head_dim)
-        q, k, v = pre(hidden, self.input_norm[0], self.input_norm[1], self.qkv, self.qkv_bias, cos, sin, shape)
+        q, k, v = pre(hidden, self.input_norm[0], self.input_norm[1], self.qkv.weight, self.qkv.bias, cos, sin, shape)
         batch.write(self.index, k, v)
         return post(hidden, batch.attend(self.attention, q, self.scaling), self)
 

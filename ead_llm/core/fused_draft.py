@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from ead_llm.core.fused_llama import FusedLayer, rms_norm, signed_sin
+from ead_llm.core.fused_llama import FusedLayer, Projection, rms_norm, signed_sin, worth_packing
 
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
@@ -30,12 +30,13 @@ class FusedDraft:
     """A feature-reading draft's forward on a packed batch."""
 
     def __init__(self, model: Any) -> None:
+        pack = worth_packing(model)
         self.embedding = model.embed_tokens.weight
-        self.fc = model.fc.weight
+        self.fc = Projection(model.fc.weight, None, pack=pack)
         self.rotary = model.rotary_emb
-        self.layers = [FusedLayer(layer) for layer in model.layers]
+        self.layers = [FusedLayer(layer, pack=pack) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
-        self.head = model.head.weight
+        self.head = Projection(model.head.weight, None, pack=pack)
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)
@@ -45,14 +46,14 @@ class FusedDraft:
     ) -> torch.Tensor:
         """``ids``, ``positions``: [T]; ``features``: [T, hidden], each token's predecessor's; ``keep``: [N] packed
         indices read -> logits [N, V] (model dtype, ``-inf`` outside the head's tokens)."""
-        x = F.linear(torch.cat((F.embedding(ids, self.embedding), features.to(self.fc.dtype)), dim=-1), self.fc)[None]
+        x = self.fc(torch.cat((F.embedding(ids, self.embedding), features.to(self.fc.weight.dtype)), dim=-1))[None]
         cos, sin = self.rotary(x, positions[None])
         cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
         out = rms_norm(x, *self.norm)[0]  # [T, hidden]
         batch.cache.write_features(batch.write_slots, out)
-        sub = F.linear(out[keep], self.head)  # [N, K]
+        sub = self.head(out[keep])  # [N, K]
         logits = sub.new_full((sub.shape[0], self.vocab), float("-inf"))
         logits[:, self.index] = sub
         return logits

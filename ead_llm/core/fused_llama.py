@@ -5,8 +5,10 @@ rotary, the attention interface, the MLP), which at batch 1 costs more than the 
 small model and, on a GPU, a kernel launch per projection. This pass does the same arithmetic in
 one function per layer, with q/k/v in one matmul and gate/up in another (the module weights
 become views into the fused tensors: no extra memory), and the engine's paged attention in
-between. Every operation is the one transformers runs (same RMSNorm in float32, same rotary
-tables from the model's own rotary module, same SDPA), so the logits match its forward.
+between. Every other operation is the one transformers runs (same RMSNorm in float32, same rotary
+tables from the model's own rotary module, same SDPA); the projections run through oneDNN with packed weights
+on CPU in float32 (:class:`Projection`: 1.9-4x torch's default BLAS here), so the logits match its forward to
+float32 rounding.
 
 Used when :func:`supports` accepts the model (plain ``nn.Linear`` projections, SiLU MLP, RMSNorm, no
 sliding window); anything else runs through transformers' modules with the same paged attention.
@@ -14,6 +16,7 @@ sliding window); anything else runs through transformers' modules with the same 
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +27,57 @@ if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
 
 FAMILIES = ("llama", "mistral", "qwen2")
+
+
+def _onednn_ops() -> tuple[Any, Any] | None:
+    """oneDNN's linear and its weight packing (the ops torch's CPU compiler emits when it freezes weights), or None
+    where this torch build lacks them."""
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return None
+        return torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._reorder_linear_weight.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+ONEDNN = _onednn_ops()
+PACK_ROWS = 4
+"""The row count oneDNN packs a weight's blocks for. Measured on SmolLM2's weights (one thread,
+``benchmarks/linear_kernels.py``): packed for 1 row, 2 to 64 rows cost 1.7-2x one row; packed for 2 to 16, alike
+(2 to 5 rows 1.0-1.4x one row); at least 1.9x faster than torch's default CPU BLAS from 1 to 256 rows."""
+
+
+def worth_packing(model: Any) -> bool:
+    """Whether :class:`Projection` should pack ``model``'s weights: float32 on CPU with oneDNN, and a second copy of
+    the weights fits in half the memory available now (a model near the machine's size runs unpacked)."""
+    weights = list(model.parameters())
+    if ONEDNN is None or not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return False
+    size = sum(w.numel() * w.element_size() for w in weights)
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system: pack only what is small
+        available = 4 * 2**30
+    return 2 * size <= available
+
+
+class Projection:
+    """``F.linear`` with one weight (and bias), for inference. On CPU in float32, where torch has oneDNN, the weight
+    is packed once into oneDNN's blocked layout (a second copy of it: the model's own stays for its modules) and
+    every call reads it there: each row's result is then the same whatever rows share the call, and differs from
+    ``F.linear``'s by rounding only (tested). The packed copy is taken once: weights changed in place later are
+    not seen (build the engine after changing them)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool) -> None:
+        self.weight, self.bias = weight, bias
+        self.packed: torch.Tensor | None = None
+        if pack and ONEDNN is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self.packed = ONEDNN[1](weight.detach(), PACK_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and ONEDNN is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 def supports(model: Any) -> bool:
@@ -94,7 +148,7 @@ def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 class FusedLayer:
     """One decoder layer's weights, fused."""
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: Any, *, pack: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention = attn
         self.index = int(attn.layer_idx)
@@ -102,10 +156,10 @@ class FusedLayer:
         self.heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = float(attn.scaling)
-        self.qkv, self.qkv_bias = _fuse(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o, self.o_bias = attn.o_proj.weight, attn.o_proj.bias
-        self.gate_up, self.gate_up_bias = _fuse(mlp.gate_proj, mlp.up_proj)
-        self.down, self.down_bias = mlp.down_proj.weight, mlp.down_proj.bias
+        self.qkv = Projection(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), pack=pack)
+        self.o = Projection(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
+        self.gate_up = Projection(*_fuse(mlp.gate_proj, mlp.up_proj), pack=pack)
+        self.down = Projection(mlp.down_proj.weight, mlp.down_proj.bias, pack=pack)
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon))
         self.qk_width = (self.heads + self.kv_heads) * self.head_dim  # q and k lie side by side in qkv's output
@@ -114,7 +168,7 @@ class FusedLayer:
         """``hidden``: [1, T, hidden]; ``cos``/``sin``: [1, 1, T, D] (``sin`` as :func:`signed_sin` gives it)."""
         tokens = hidden.shape[1]
         x = rms_norm(hidden, *self.input_norm)
-        qkv = F.linear(x, self.qkv, self.qkv_bias)
+        qkv = self.qkv(x)
         # rotary on q and k together: each head's positions are rotated alike
         qk = qkv[..., : self.qk_width].view(1, tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
         qk = rotary(qk, cos, sin)  # [1, H + Hkv, T, D]
@@ -122,10 +176,10 @@ class FusedLayer:
         v = qkv[..., self.qk_width :].view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
         batch.write(self.index, k, v)
         attended = batch.attend(self.attention, q, self.scaling)  # [1, T, H, D]
-        hidden = hidden + F.linear(attended.reshape(1, tokens, -1).contiguous(), self.o, self.o_bias)
+        hidden = hidden + self.o(attended.reshape(1, tokens, -1).contiguous())
         x = rms_norm(hidden, *self.post_norm)
-        gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down, self.down_bias)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 class FusedLlama:
@@ -133,12 +187,12 @@ class FusedLlama:
 
     def __init__(self, model: Any) -> None:
         inner = model.model
+        pack = worth_packing(model)
         self.embedding = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
-        self.head = model.lm_head.weight
-        self.head_bias = model.lm_head.bias
-        self.layers = [FusedLayer(layer) for layer in inner.layers]
+        self.head = Projection(model.lm_head.weight, model.lm_head.bias, pack=pack)
+        self.layers = [FusedLayer(layer, pack=pack) for layer in inner.layers]
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""
@@ -158,4 +212,4 @@ class FusedLlama:
             hidden = hidden[:, keep]
         else:
             hidden = rms_norm(hidden[:, keep], *self.norm)
-        return F.linear(hidden, self.head, self.head_bias)[0]
+        return self.head(hidden)[0]

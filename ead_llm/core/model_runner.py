@@ -411,7 +411,7 @@ class ModelRunner:
                     mine[0].append(at + p - start)
                     mine[1].append(row.kv.blocks[q // size] * size + q % size)
             at += end - start
-        out = torch.zeros((tokens, self._draft.hidden), dtype=self._draft.fc.dtype, device=self.device)
+        out = torch.zeros((tokens, self._draft.hidden), dtype=self._draft.fc.weight.dtype, device=self.device)
         for (index, slots), cache in ((theirs, self._target_cache), (mine, self.cache)):
             if index:
                 where = torch.tensor([index, slots], dtype=torch.long, device=self.device)

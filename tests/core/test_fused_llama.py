@@ -1,11 +1,12 @@
-"""The lean Llama forward's own arithmetic: the same bits as transformers' modules."""
+"""The lean Llama forward's own arithmetic: the same bits as transformers' modules, and its projections."""
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ead_llm.core.fused_llama import rotary, signed_sin
+from ead_llm.core.fused_llama import ONEDNN, Projection, rotary, signed_sin, worth_packing
 
 
 def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
@@ -23,3 +24,50 @@ def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
         q, k = qk[:, :heads], qk[:, heads:]
         want_q, want_k = apply_rotary_pos_emb(q, k, cos[:, 0], sin[:, 0])
         assert torch.equal(ours[:, :heads], want_q) and torch.equal(ours[:, heads:], want_k)
+
+
+def test_projection_packs_float32_cpu_weights_and_matches_f_linear_to_rounding() -> None:
+    """oneDNN's packed weights give F.linear's values to float32 rounding, with and without bias, for 0 to 70 rows
+    (a decode step, a verify pass, a prefill) and for the [1, T, hidden] inputs the forward hands it."""
+    gen = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
+    for b in (None, bias):
+        projection = Projection(weight, b, pack=True)
+        assert (projection.packed is not None) == (ONEDNN is not None)
+        for rows in (0, 1, 2, 3, 5, 70):
+            x = torch.randn(1, rows, 48, generator=gen)
+            with torch.inference_mode():
+                got = projection(x)
+            assert got.shape == (1, rows, 96)
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_projection_gives_each_row_the_same_bits_whatever_rows_share_the_call() -> None:
+    """Batch invariance: row i of a 64-row call equals row i computed with 1, 2, 3, 4, 7 or 33 rows (a prompt's
+    logits must not depend on where it stands in a batch)."""
+    gen = torch.Generator().manual_seed(2)
+    projection = Projection(torch.randn(200, 64, generator=gen), torch.randn(200, generator=gen), pack=True)
+    x = torch.randn(64, 64, generator=gen)
+    with torch.inference_mode():
+        whole = projection(x)
+        for rows in (1, 2, 3, 4, 7, 33):
+            assert torch.equal(projection(x[:rows]), whole[:rows])
+            assert torch.equal(projection(x[-rows:]), whole[-rows:])
+
+
+def test_a_projection_is_f_linear_exactly_under_autograd_in_bfloat16_or_unpacked() -> None:
+    """Where it does not pack (bfloat16, asked not to) or autograd is on, it is F.linear itself, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(32, 16, generator=gen), torch.randn(3, 16, generator=gen)
+    assert torch.equal(Projection(weight, None, pack=True)(x), F.linear(x, weight))  # autograd on
+    assert Projection(weight, None, pack=False).packed is None
+    with torch.inference_mode():
+        assert torch.equal(Projection(weight, None, pack=False)(x), F.linear(x, weight))
+        half = Projection(weight.bfloat16(), None, pack=True)
+        assert half.packed is None and torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+
+
+def test_worth_packing_only_float32_cpu_models() -> None:
+    model = torch.nn.Linear(8, 8)
+    assert worth_packing(model) == (ONEDNN is not None)
+    assert not worth_packing(model.to(torch.bfloat16))

@@ -1,0 +1,84 @@
+"""The engine's projections (oneDNN with packed weights) against torch's default ``F.linear``, on a real model's
+weights: every projection of every layer and the head, once per row count, as one forward's matrix products.
+
+Why it matters: a speculative verify pass of a few tokens should cost about one decode step; with torch's default
+CPU BLAS on some machines it costs nearly once per row. Run with the same threads on both sides:
+
+    OMP_NUM_THREADS=1 python benchmarks/linear_kernels.py [--model smollm2|embedded] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+from transformers import AutoModelForCausalLM
+
+from ead_llm.core.fused_llama import ONEDNN, FusedLlama
+
+ROWS = (1, 2, 3, 4, 5, 8, 64, 256)
+
+
+def timed(fn: Callable[[], None], repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1e3)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    if args.model == "smollm2":
+        from ead_llm.testing import smollm2
+
+        folder = str(smollm2.full_model())
+    else:
+        from ead_llm.embedded import embedded_pair
+
+        folder = str(embedded_pair()[1])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    fused = FusedLlama(model)
+    projections = [p for layer in fused.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    projections.append(fused.head)
+    if ONEDNN is None or any(p.packed is None for p in projections):
+        raise SystemExit("this torch build (or this machine's free memory) does not pack: nothing to compare")
+    size = sum(p.weight.numel() * p.weight.element_size() for p in projections) / 2**20
+    print(
+        f"{folder}: {len(projections)} projections, {size:.0f} MiB of float32 weights, "
+        f"{torch.get_num_threads()} thread(s); ms per forward's matrix products, median (min-max) of {args.repeats}"
+    )
+    print(f"{'rows':>5} {'F.linear':>20} {'packed oneDNN':>20} {'speed-up':>9} {'vs 1 row':>9}")
+    one_row = None
+    with torch.inference_mode():
+        for rows in ROWS:
+            inputs = {p.weight.shape[1]: torch.randn(1, rows, p.weight.shape[1]) for p in projections}
+
+            def plain(inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for p in projections:
+                    F.linear(inputs[p.weight.shape[1]], p.weight, p.bias)
+
+            def packed(inputs: dict[int, torch.Tensor] = inputs) -> None:
+                for p in projections:
+                    p(inputs[p.weight.shape[1]])
+
+            theirs, ours = timed(plain, args.repeats), timed(packed, args.repeats)
+            t, o = statistics.median(theirs), statistics.median(ours)
+            one_row = one_row or o
+            print(
+                f"{rows:>5} {f'{t:.1f} ({min(theirs):.1f}-{max(theirs):.1f})':>20} "
+                f"{f'{o:.1f} ({min(ours):.1f}-{max(ours):.1f})':>20} {t / o:>8.2f}x {o / one_row:>8.2f}x"
+            )
+
+
+if __name__ == "__main__":
+    main()
