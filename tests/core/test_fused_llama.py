@@ -6,7 +6,7 @@ import torch
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ead_llm.core.fused_llama import ONEDNN, Projection, rotary, signed_sin, worth_packing
+from ead_llm.core.fused_llama import ONEDNN, PACK_MIN_BYTES, Projection, rotary, signed_sin, worth_packing
 
 
 def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
@@ -67,7 +67,9 @@ def test_a_projection_is_f_linear_exactly_under_autograd_in_bfloat16_or_unpacked
         assert half.packed is None and torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
 
 
-def test_worth_packing_only_float32_cpu_models() -> None:
-    model = torch.nn.Linear(8, 8)
-    assert worth_packing(model) == (ONEDNN is not None)
-    assert not worth_packing(model.to(torch.bfloat16))
+def test_worth_packing_only_float32_cpu_models_past_the_cache() -> None:
+    """A model whose weights stay in cache runs unpacked; one past PACK_MIN_BYTES packs, unless in bfloat16."""
+    assert not worth_packing(torch.nn.Linear(8, 8))
+    big = torch.nn.Linear(1024, PACK_MIN_BYTES // 4096 + 1)
+    assert worth_packing(big) == (ONEDNN is not None)
+    assert not worth_packing(big.to(torch.bfloat16))
