@@ -33,6 +33,8 @@ DRAWS = 5000
 """Rounds judged directly; through the whole engine (a prefill of both models per draw), ENGINE_DRAWS."""
 ENGINE_DRAWS = 2000
 CHUNK = 250
+MIN_KEPT = 8
+"""The fewest tokens a setting keeps (a sampler that is off shows on a wide support)."""
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +55,13 @@ def logits(bf16_pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def tie_cuts(full: torch.Tensor) -> dict[str, dict[str, Any]]:
-    """Settings whose cuts fall inside ties of the full model's logits: top-k at the first tied group among
-    the top 40, top-p halfway through a tied group's mass; with both, top-k at the second tied group and top-p
+    """Settings whose cuts fall inside ties of the full model's logits: top-k at the first tied group from rank
+    MIN_KEPT among the top 40, top-p halfway through a tied group's mass; with both, top-k at the second tied group and top-p
     inside the first, as a share of what top-k keeps (top-p applies to the renormalised top-k set)."""
     values = torch.topk(full, 40).values.tolist()
-    groups = [i for i in range(1, 40) if values[i] == values[i - 1] and (i == 1 or values[i - 1] != values[i - 2])]
+    # ties starting at rank 8 or later, so every cut keeps at least 8 tokens (which ties lead depends on the CPU's
+    # bf16 kernels: on one machine the first was at rank 5)
+    groups = [i for i in range(MIN_KEPT, 40) if values[i] == values[i - 1] and values[i - 1] != values[i - 2]]
     assert len(groups) >= 3, f"too few ties among the top tokens: {values}"
     probs = torch.softmax(full.double() / TEMPERATURE, -1)
     ranked = probs[torch.argsort(full, descending=True)]
@@ -91,7 +95,7 @@ def test_every_tie_setting_leaves_many_tokens_and_each_cut_splits_a_tie(
     cuts = tie_cuts(full)
     for name, setting in cuts.items():
         kept = support(setting, full)
-        assert kept >= 8, f"{name}: {setting} keeps {kept} tokens"
+        assert kept >= MIN_KEPT, f"{name}: {setting} keeps {kept} tokens"
         if "top_k" in setting:
             top_k = setting["top_k"]
             assert support({"top_k": top_k}, full) > top_k, f"{name}: the top-k cut splits no tie"
