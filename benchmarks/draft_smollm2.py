@@ -5,11 +5,13 @@ docs/bench-smollm2 questions it was told to leave out), one request at a time, g
 torch on ``--threads`` threads (1 by default). Each repeat times, in a rotating order:
 
 - ``LargeOnly`` (the target alone through our engine) and transformers' ``generate()`` on the same target;
-- speculative decoding with adaptive gamma (and fixed gamma 1 and 3), whose texts must equal LargeOnly's;
+- speculative decoding with adaptive gamma (and fixed gamma 1 and 3, and gamma 3 with rounds ended after an
+  unsure draft, ``stop_entropy``), whose texts must equal LargeOnly's;
 - EASD (entropy-aware rejection: not lossless by design; how many texts still equal LargeOnly's is printed).
 
 Printed: tokens/s of each, each policy's speed-up over LargeOnly (median and min-max over repeats), the
-acceptance rate, and the draft's cost per token as a ratio of the target's (one decode forward of each through
+acceptance rate, the large model's passes per token (the share of tokens it wrote: a round's speed-up is at most
+its inverse), and the draft's cost per token as a ratio of the target's (one decode forward of each through
 the engine's runner at 64 and 256 positions, medians). Transformers' assisted generation cannot run this draft:
 it hands its assistant token ids only, and the draft reads the target's hidden states (printed, not measured).
 
@@ -41,6 +43,8 @@ from ead_llm.policies.base import Policy
 from ead_llm.testing import smollm2
 
 GOALS = {"speculative_adaptive": 1.5, "easd": 1.3}
+STOP_ENTROPY = 1.0
+"""``speculative_stop``: gamma 3, a round ended after a draft drawn at more than this many bits."""
 DRAFT_COST_GOAL = 0.12
 
 
@@ -95,6 +99,7 @@ def main() -> None:
         "speculative_adaptive": SpeculativeDecoding(gamma=4, adaptive_gamma=True),
         "speculative_gamma1": SpeculativeDecoding(gamma=1),
         "speculative_gamma3": SpeculativeDecoding(gamma=3),
+        "speculative_stop": SpeculativeDecoding(gamma=3, stop_entropy=STOP_ENTROPY),
         "easd": EASD(gamma=4, adaptive_gamma=True),
     }
 
@@ -150,6 +155,10 @@ def main() -> None:
         for name, outs in outputs.items()
         if name != "large_only"
     }
+    large_share = {
+        name: sum(c.cost.large_tokens for c in outs) / max(1, sum(len(c.token_ids) for c in outs))
+        for name, outs in outputs.items()
+    }
     small, large = engine.runners[Role.SMALL], engine.runners[Role.LARGE]
     cost = {f"draft_cost_{n}": forward_s(small, n, target=large) / forward_s(large, n) for n in (64, 256)}
     card_path = Path(draft_dir) / "draft_card.json"
@@ -165,19 +174,21 @@ def main() -> None:
         "speedup_over_large_only": {k: spread(v) for k, v in speedups.items()},
         "same_text_as_large_only": {k: f"{v}/{len(prompts)}" for k, v in same.items()},
         "acceptance": acceptance,
+        "large_passes_per_token": large_share,
         **cost,
         "held_out_top1_agreement": card.get("top1_agreement_after"),
         "assisted_generation": "not run: transformers hands its assistant token ids only, and this draft reads "
         "the target's hidden states",
     }
     print(f"machine: {report['machine']}; {len(prompts)} chat prompts, greedy, up to {args.max_tokens} tokens")
-    print(f"{'':22} {'tokens/s':>9} {'vs LargeOnly (min-max)':>24} {'same text':>10} {'accepted':>9}")
+    print(f"{'':22} {'tokens/s':>9} {'vs LargeOnly (min-max)':>24} {'same text':>10} {'accepted':>9} {'L/token':>8}")
     for name in names:
         r = report["tokens_per_s"][name]["median"]
         s = report["speedup_over_large_only"].get(name)
         ratio = f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})" if s else "1.00x"
         acc = f"{acceptance[name]:.3f}" if name in acceptance else ""
-        print(f"{name:22} {r:9.1f} {ratio:>24} {report['same_text_as_large_only'][name]:>10} {acc:>9}")
+        share = f"{large_share[name]:.3f}" if name in large_share else ""
+        print(f"{name:22} {r:9.1f} {ratio:>24} {report['same_text_as_large_only'][name]:>10} {acc:>9} {share:>8}")
     for n in (64, 256):
         print(f"draft cost per token at {n} positions: {cost[f'draft_cost_{n}']:.3f} of the target's")
     print(f"held-out top-1 agreement (card): {report['held_out_top1_agreement']}")

@@ -23,6 +23,7 @@ other token).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -58,10 +59,15 @@ class SpeculativeDecoding(Policy):
     """Grow gamma by one after a round where every draft stood, shrink it by one after a rejection."""
     max_gamma: int = 16
     """Upper bound of adaptive gamma."""
+    stop_entropy: float = math.inf
+    """End a round early after a draft drawn from a distribution of more than this entropy (bits, the small model's
+    raw logits): a draft the small model is unsure of is the likeliest to be rejected, and the drafts after it fall
+    with it (inf: never; the output is lossless either way)."""
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, minimum=1)
         check_int("max_gamma", self.max_gamma, minimum=self.gamma)
+        check_float("stop_entropy", self.stop_entropy, minimum=0.0, allow_inf=True)
         if not isinstance(self.adaptive_gamma, bool):
             raise ValueError(f"adaptive_gamma must be a bool, got {self.adaptive_gamma!r}")
 
@@ -72,8 +78,11 @@ class SpeculativeDecoding(Policy):
         return Role.SMALL if state.drafted < state.gamma else Role.LARGE
 
     def advance(self, state: SpecState, role: Role, entropy: float) -> SpecState:
-        """One draft made."""
-        return replace(state, drafted=state.drafted + 1)
+        """One draft made; the round ends with it if it was drawn with more than ``stop_entropy`` bits."""
+        drafted = state.drafted + 1
+        if entropy > self.stop_entropy:
+            return replace(state, drafted=drafted, gamma=min(state.gamma, drafted))
+        return replace(state, drafted=drafted)
 
     def begin_round(self, state: SpecState, budget: int) -> SpecState:
         """Start a round drafting at most ``budget`` tokens (what the length limits leave)."""

@@ -26,6 +26,8 @@ VOCAB = 78  # the scripted pair's char tokenizer
         ({"entropy_threshold": -1.0}, "entropy_threshold"),
         ({"top_n": 0}, "top_n"),
         ({"overlap_threshold": 1.5}, "overlap_threshold"),
+        ({"stop_entropy": -0.5}, "stop_entropy"),
+        ({"stop_entropy": float("nan")}, "stop_entropy"),
     ],
 )
 def test_bad_settings_name_the_parameter(kwargs: dict, match: str) -> None:
@@ -193,3 +195,15 @@ def test_drafting_stops_at_an_end_of_text_draft() -> None:
     # the third draft is EOS: the round ends there and is verified (the large model writes 10 instead)
     assert large.calls[0] == [1, 5, 10, 10, eos]
     assert done.cost.extra["drafted_tokens"] >= 3 and done.token_ids[:3] == (10, 10, 10)
+
+
+def test_a_round_ends_after_a_draft_the_small_model_was_unsure_of() -> None:
+    """stop_entropy: the second draft is drawn at 3 bits, so with a 2-bit stop the round is verified there (the
+    large model reads two drafts, not four); the text is LargeOnly's either way, and a sure draft never stops it."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    for stop, first_read in ((2.0, [1, 5, 10, 10]), (3.5, [1, 5, 10, 10, 10, 10]), (math.inf, [1, 5, 10, 10, 10, 10])):
+        pair, _, large = _uncertain_at({3})
+        (done,) = Engine(pair).generate([Request([1, 5], SpeculativeDecoding(gamma=4, stop_entropy=stop), params)])
+        assert large.calls[0] == first_read, stop
+        assert done.token_ids == (10,) * 8
+        assert done.cost.extra["drafted_tokens"] == done.cost.extra["accepted_tokens"]
