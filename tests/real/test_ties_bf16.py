@@ -56,8 +56,8 @@ def logits(bf16_pair: ModelPair) -> tuple[torch.Tensor, torch.Tensor]:
 
 def tie_cuts(full: torch.Tensor) -> dict[str, dict[str, Any]]:
     """Settings whose cuts fall inside ties of the full model's logits: top-k at the first tied group from rank
-    MIN_KEPT among the top 40, top-p halfway through a tied group's mass; with both, top-k at the second tied group and top-p
-    inside the first, as a share of what top-k keeps (top-p applies to the renormalised top-k set)."""
+    MIN_KEPT among the top 40, top-p halfway through a tied group's mass; with both, top-k at the second tied group
+    and top-p inside the first, as a share of what top-k keeps (top-p applies to the renormalised top-k set)."""
     values = torch.topk(full, 40).values.tolist()
     # ties starting at rank 8 or later, so every cut keeps at least 8 tokens (which ties lead depends on the CPU's
     # bf16 kernels: on one machine the first was at rank 5)
