@@ -79,10 +79,8 @@ class SpeculativeDecoding(Policy):
 
     def advance(self, state: SpecState, role: Role, entropy: float) -> SpecState:
         """One draft made; the round ends with it if it was drawn with more than ``stop_entropy`` bits."""
-        drafted = state.drafted + 1
-        if entropy > self.stop_entropy:
-            return replace(state, drafted=drafted, gamma=min(state.gamma, drafted))
-        return replace(state, drafted=drafted)
+        state = replace(state, drafted=state.drafted + 1)
+        return self.cut_round(state) if entropy > self.stop_entropy else state
 
     def begin_round(self, state: SpecState, budget: int) -> SpecState:
         """Start a round drafting at most ``budget`` tokens (what the length limits leave)."""
