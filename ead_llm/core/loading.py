@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 from tenacity import RetryError, Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from ead_llm.core.sources import GGUF_SUFFIX, check_source, hub_unreachable, is_local, model_source
 from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
 
@@ -72,16 +73,6 @@ class LoadOptions(BaseModel):
     def load_options(self) -> dict[str, Any]:
         """These settings by name (what :class:`LoadConfig` takes besides the models)."""
         return {name: getattr(self, name) for name in LoadOptions.model_fields}
-
-
-def model_source(name: str, value: Any) -> str:
-    """A model's Hugging Face id or local folder as text (a ``pathlib.Path`` or other path-like is taken, as
-    ``from_pretrained`` takes it); a clear error for anything else."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a Hugging Face model id or a local folder, got {value!r}")
-    return value
 
 
 class LoadConfig(LoadOptions):
@@ -230,20 +221,6 @@ def _eos_ids(tokenizer: PreTrainedTokenizerBase, *models: PreTrainedModel) -> fr
     return frozenset(ids)
 
 
-def check_source(name: str, source: str) -> None:
-    """Refuse a local-looking path that does not exist (a Hub id has at most one slash; a GGUF file on
-    the Hub is ``org/repo/file.gguf``)."""
-    if Path(source).expanduser().exists():
-        return
-    if source.endswith(GGUF_SUFFIX) and not source.startswith((".", "/", "~")) and source.count("/") == 2:
-        return
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise ValueError(f"{name} model folder {source!r} does not exist")
-
-
-GGUF_SUFFIX = ".gguf"
-
-
 def split_gguf(source: str) -> tuple[str, dict[str, Any]]:
     """``(folder or Hub id, extra from_pretrained arguments)`` of a source: a ``.gguf`` file (local, or
     ``org/repo/file.gguf`` on the Hub) loads through transformers' GGUF support (``gguf_file=``)."""
@@ -330,6 +307,21 @@ def _load(loader: Any, name: str, source: str, config: LoadConfig, **kwargs: Any
         raise
 
 
+def _load_tokenizer(name: str, source: str, config: LoadConfig, offline: str | None, hub: dict[str, Any]) -> Any:
+    """The tokenizer of ``source``; one clear line when the Hub is out of reach (``offline`` says why) and the
+    cache does not have it."""
+    try:
+        return _load(AutoTokenizer, name, source, config, **hub)
+    except OSError:
+        if offline is None or is_local(source):
+            raise
+        raise OSError(
+            f"the {name} model {source!r} is not in the Hugging Face cache and the Hub cannot be reached "
+            f"({offline}): connect to the network, or pass a local folder or .gguf file; with HF_HUB_OFFLINE=1 "
+            "(or local_files_only=True) only the cache is read"
+        ) from None
+
+
 def load_pair(config: LoadConfig) -> ModelPair:
     """Load tokenizers and both models, check they share a vocabulary, and put them in eval mode."""
     from ead_llm.drafts.model import register
@@ -338,8 +330,13 @@ def load_pair(config: LoadConfig) -> ModelPair:
     check_source("small", config.small)
     check_source("large", config.large)
     hub = config.hub_kwargs()
-    tok_small = _load(AutoTokenizer, "small", config.small, config, **hub)
-    tok_large = _load(AutoTokenizer, "large", config.large, config, **hub)
+    offline = None
+    if not hub["local_files_only"] and not (is_local(config.small) and is_local(config.large)):
+        offline = hub_unreachable()
+        if offline is not None:  # the Hub's client would retry for a minute; the cache is all there is
+            hub["local_files_only"] = True
+    tok_small = _load_tokenizer("small", config.small, config, offline, hub)
+    tok_large = _load_tokenizer("large", config.large, config, offline, hub)
     check_same_vocabulary(tok_small, tok_large)
     device = config.resolved_device()
     dtype = config.resolved_dtype()

@@ -325,7 +325,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not args.minutes > 0 or not args.lr > 0:
         raise ValueError(f"--minutes and --lr must be positive, got {args.minutes} and {args.lr}")
-    from ead_llm.core.loading import check_source, model_source
+    from ead_llm.core.sources import check_source, model_source
 
     source = model_source("--large", args.large)
     check_source("--large", source)

@@ -116,6 +116,70 @@ def test_unknown_hub_id_offline_fails_with_context(monkeypatch: pytest.MonkeyPat
         load_pair(config)
 
 
+class _Recording:
+    """A loader that records its keyword arguments and finds nothing (an empty cache)."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict] = []
+
+    def from_pretrained(self, source: str, **kwargs: object) -> None:
+        self.kwargs.append(kwargs)
+        raise OSError(f"{source} is not in the cache")
+
+
+def test_unreachable_hub_reads_only_the_cache_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ead_llm.core.loading as loading
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: "huggingface.co does not resolve: no network")
+    loader = _Recording()
+    monkeypatch.setattr(loading, "AutoTokenizer", loader)
+    config = LoadConfig(small="org/small-model", large="org/large-model", load_attempts=5, retry_wait_s=0.0)
+    with pytest.raises(OSError, match="not in the Hugging Face cache") as caught:
+        load_pair(config)
+    message = str(caught.value)
+    assert "'org/small-model' is not in the Hugging Face cache" in message
+    assert "does not resolve: no network" in message and "HF_HUB_OFFLINE=1" in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # one line, no chain of causes
+    assert [k["local_files_only"] for k in loader.kwargs] == [True]  # one try, from the cache only
+
+
+def test_reachable_hub_is_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ead_llm.core.loading as loading
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)
+    loader = _Recording()
+    monkeypatch.setattr(loading, "AutoTokenizer", loader)
+    with pytest.raises(OSError, match="could not load the small model 'org/small-model'"):
+        load_pair(LoadConfig(small="org/small-model", large="org/large-model", retry_wait_s=0.0))
+    assert [k["local_files_only"] for k in loader.kwargs] == [False]
+
+
+def test_hub_unreachable_when_its_host_does_not_resolve(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from ead_llm.core import sources
+
+    asked: list[str] = []
+
+    def no_dns(host: str, *args: object) -> None:
+        asked.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    for name in sources.PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example.org")
+    monkeypatch.setattr(sources.socket, "getaddrinfo", no_dns)
+    reason = sources.hub_unreachable()
+    assert reason is not None and "hub.example.org does not resolve" in reason and asked == ["hub.example.org"]
+    monkeypatch.setattr(sources.socket, "getaddrinfo", lambda *a: [])
+    assert sources.hub_unreachable() is None
+    monkeypatch.setattr(sources.socket, "getaddrinfo", no_dns)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # the proxy resolves names: nothing to check here
+    assert sources.hub_unreachable() is None
+
+
 def test_dtype_and_device_are_overridable(llama_paths) -> None:
     config = LoadConfig(small=str(llama_paths[0]), large=str(llama_paths[1]), device="cpu", dtype="bfloat16")
     pair = load_pair(config)
