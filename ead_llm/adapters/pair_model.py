@@ -29,7 +29,7 @@ from ead_llm.core.registry import shared_engine
 from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
 from ead_llm.core.types import FinishReason, TokenEvent
 from ead_llm.core.validation import check_float, check_int, check_stop
-from ead_llm.embedded import embedded_pair, recommended_threshold
+from ead_llm.embedded import embedded_pair, recommended_policy
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description
 from ead_llm.policies.switching import EAD
 
@@ -88,7 +88,7 @@ class PairModel(LoadOptions):
     """Hugging Face id or local folder of the large model (None: the embedded pair)."""
     policy: Policy | None = None
     """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: EAD with its defaults, and
-    on the embedded pair with the threshold chosen for it on the task's dev split."""
+    on the embedded pair the EAD settings chosen for it on the task's dev split (``recommended_policy()``)."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
@@ -191,7 +191,7 @@ class PairModel(LoadOptions):
                 raise ValueError("pass both small= and large=, or neither for the embedded default pair")
             small, large = embedded_pair()
             if self.policy is None:
-                self.policy = EAD(threshold=recommended_threshold())
+                self.policy = recommended_policy()
         else:
             small, large = self.small, self.large
         config = LoadConfig(small=small, large=large, **self.load_options())

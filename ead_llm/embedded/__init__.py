@@ -1,6 +1,6 @@
 """The default pair shipped inside the package (small/ and large/ folders beside this file).
 
-``pair.json`` beside them records the EAD threshold chosen on the task's dev split and the
+``pair.json`` beside them records the EAD settings chosen on the task's dev split and the
 measured test accuracies (written by ``python -m ead_llm.embedded.finalize``).
 """
 
@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ead_llm.policies.switching import EAD
 
 EMBEDDED_DIR = Path(__file__).resolve().parent
 
@@ -33,3 +36,13 @@ def pair_record() -> dict[str, Any]:
 def recommended_threshold(default: float = 0.25) -> float:
     """EAD threshold (bits) chosen for the embedded pair on its dev split."""
     return float(pair_record().get("recommended_threshold", default))
+
+
+def recommended_policy() -> EAD:
+    """The EAD settings chosen for the embedded pair on its dev split (threshold, window, dwell, lookahead): what
+    ``EntropyAdaptiveLLM()`` and ``ead-llm demo`` run. EAD as published at ``recommended_threshold()`` when the
+    record names none."""
+    from ead_llm.policies.switching import EAD
+
+    settings = pair_record().get("recommended_policy")
+    return EAD(**settings) if settings else EAD(threshold=recommended_threshold())

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly
-from ead_llm.embedded import EMBEDDED_DIR, pair_record, recommended_threshold
+from ead_llm.embedded import EMBEDDED_DIR, pair_record, recommended_policy, recommended_threshold
 from ead_llm.evaluation.evaluate import run_policy
 from ead_llm.evaluation.task import problems
 
@@ -31,7 +31,7 @@ def test_loads_offline_with_no_arguments(llm: EntropyAdaptiveLLM) -> None:
     pair = llm.shared_engine.pair
     assert pair.small.info.source.startswith(str(EMBEDDED_DIR))
     assert pair.large.info.non_embedding_params >= 10 * pair.small.info.non_embedding_params
-    assert llm.policy == EAD(threshold=recommended_threshold())
+    assert llm.policy == recommended_policy() == EAD(**pair_record()["recommended_policy"])
     text = llm.invoke("12+345-67\n")
     assert "####" in text
 
