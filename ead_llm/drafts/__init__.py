@@ -11,15 +11,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--large", required=True, help="the target: a Hugging Face id or local folder (Llama family)")
     p.add_argument("--out", required=True, help="folder to write the draft to")
     p.add_argument("--minutes", type=float, default=60.0, help="training time (default 60; the data comes first)")
-    p.add_argument("--steps", type=int, default=None, help="train exactly this many steps (overrides --minutes)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="train exactly this many steps (default: as many as --minutes allow)"
+    )
     p.add_argument("--seed", type=int, default=0, help="questions, split, batches and noise (default 0)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft (default 1, as EAGLE)")
     p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
-    p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled (4)")
+    p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled")
     p.add_argument("--questions", type=int, default=None, help="use only the first N questions (default: all)")
     p.add_argument("--max-tokens", type=int, default=128, help="longest answer (default 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch", type=int, default=16, help="answers per step (default 16)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--data", default=None, help="keep the target's answers and features in this file, and reuse it")
-    p.add_argument("--exclude", default=None, help="leave out these questions (JSON lines with a prompt, or lines)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="keep the target's answers and features in this file, and reuse it (default: not kept)",
+    )
+    p.add_argument(
+        "--exclude",
+        default=None,
+        help="leave out these questions, JSON lines with a prompt or plain lines (default: none)",
+    )

@@ -13,21 +13,23 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the CLI imports torch and the frameworks only once the arguments are parsed (fast --help)
     from ead_llm.accounting.ledger import Pricing
     from ead_llm.policies.base import Policy
-    from ead_llm.serving.server import ServerLimits
+    from ead_llm.serving.limits import ServerLimits
 
-POLICY_NAMES = ("ead", "small_only", "large_only", "speculative", "easd")
+POLICY_NAMES = ("ead", "small_only", "large_only", "speculative", "easd", "eager")
 """The policies the CLI runs, by their canonical names (``describe_policy``'s); aliases such as ``small`` and
 ``large`` are accepted too."""
 EXTRACTOR_NAMES = ("hashes", "last_number", "first_line", "boxed", "choice", "exact", "auto", "contains")
 EAD_OPTIONS = ("threshold", "window", "min_dwell", "lookahead")
 DRAFT_OPTIONS = ("gamma",)
 EASD_OPTIONS = ("entropy_threshold",)
+EAGER_OPTIONS = ("theta", "max_paths")
 APPLIES = {
     "ead": EAD_OPTIONS,
     "small_only": (),
     "large_only": (),
     "speculative": DRAFT_OPTIONS,
     "easd": DRAFT_OPTIONS + EASD_OPTIONS,
+    "eager": EAGER_OPTIONS,
 }
 """Which policy options each policy takes; the others are refused rather than ignored."""
 
@@ -43,12 +45,12 @@ def policy_name(value: str) -> str:
 
 
 def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
-    return [n for n in names if getattr(args, n, None) not in (None, False)]
+    return [n for n in names if getattr(args, n, None) is not None]
 
 
 def check_policy_options(args: argparse.Namespace) -> None:
     """Refuse policy options the chosen policy does not take (they would be silently ignored)."""
-    every = EAD_OPTIONS + DRAFT_OPTIONS + EASD_OPTIONS
+    every = EAD_OPTIONS + DRAFT_OPTIONS + EASD_OPTIONS + EAGER_OPTIONS
     stray = [n for n in _given(args, every) if n not in APPLIES[args.policy]]
     if stray:
         flags = ", ".join("--" + n.replace("_", "-") for n in stray)
@@ -56,8 +58,12 @@ def check_policy_options(args: argparse.Namespace) -> None:
 
 
 def _policy(args: argparse.Namespace) -> Policy:
-    """The policy the options name; options left out take the policy's defaults (EAD's threshold: the pair's)."""
+    """The policy the options name; options left out take the policy's defaults (EAD on the embedded pair: the
+    settings chosen for it, ``recommended_policy()``)."""
+    import dataclasses
+
     from ead_llm.policies.base import LargeOnly, SmallOnly
+    from ead_llm.policies.eager import EAGER
     from ead_llm.policies.speculative import EASD, SpeculativeDecoding
     from ead_llm.policies.switching import EAD
 
@@ -71,10 +77,12 @@ def _policy(args: argparse.Namespace) -> Policy:
         return SpeculativeDecoding(**options)
     if args.policy == "easd":
         return EASD(**options)
-    if options.get("threshold") is None:
-        from ead_llm.embedded import recommended_threshold
+    if args.policy == "eager":
+        return EAGER(**options)
+    if getattr(args, "small", None) is None and getattr(args, "large", None) is None:
+        from ead_llm.embedded import recommended_policy
 
-        options["threshold"] = recommended_threshold() if args.small is None else EAD().threshold
+        return dataclasses.replace(recommended_policy(), **options)
     return EAD(**options)
 
 
@@ -87,32 +95,63 @@ def serve_policy(args: argparse.Namespace) -> Policy | None:
 
 
 def _add_policy(parser: argparse.ArgumentParser, what: str = "decoding policy") -> None:
+    from ead_llm.embedded import recommended_policy
+    from ead_llm.policies.switching import EAD
+
+    pair, plain = recommended_policy(), EAD()
+    lookahead = {True: "on", False: "off"}
     parser.add_argument(
         "--policy",
         type=policy_name,
         default="ead",
         help=f"{what}: {', '.join(POLICY_NAMES)} (aliases: small, large; default: ead)",
     )
-    parser.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
-    parser.add_argument("--window", type=int, default=None, help="EAD rolling window in tokens (default 5)")
-    parser.add_argument("--min-dwell", type=int, default=None, help="EAD minimum tokens between switches (default 10)")
     parser.add_argument(
-        "--lookahead", action="store_true", help="EAD: the large model writes the uncertain token itself (ours)"
+        "--threshold",
+        type=float,
+        default=None,
+        help=f"EAD threshold in bits (default: embedded pair {pair.threshold}, another pair {plain.threshold})",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=None,
+        help=f"EAD rolling window in tokens (default: embedded pair {pair.window}, another pair {plain.window})",
+    )
+    parser.add_argument(
+        "--min-dwell",
+        type=int,
+        default=None,
+        help=f"EAD minimum tokens between switches (default: embedded pair {pair.min_dwell}, another pair "
+        f"{plain.min_dwell})",
+    )
+    parser.add_argument(
+        "--lookahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EAD: decide before the small model's token is kept, so the large model writes an uncertain token "
+        "itself, instead of taking over after it "
+        f"(an ead-llm addition to the published EAD; default: embedded pair {lookahead[pair.lookahead]}, another "
+        f"pair {lookahead[plain.lookahead]})",
     )
     parser.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
     parser.add_argument(
-        "--entropy-threshold", type=float, default=None, help="EASD entropy threshold (bits, default 2)"
+        "--entropy-threshold", type=float, default=None, help="EASD entropy threshold in bits (default 2)"
     )
+    parser.add_argument("--theta", type=float, default=None, help="EAGER branching entropy in nats (default 2)")
+    parser.add_argument("--max-paths", type=int, default=None, help="EAGER reasoning paths per prompt (default 8)")
 
 
 def _add_sampling(parser: argparse.ArgumentParser) -> None:
     _add_policy(parser)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens generated (default 256)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy, at most 2")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 keeps every token")
+    parser.add_argument("--top-k", type=int, default=0, help="keep only the k likeliest tokens; 0 keeps every token")
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens generated")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampler (same seed, same text)")
+    parser.add_argument(
+        "--stop", action="append", default=None, help="end the text where this appears (repeatable; default: none)"
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -146,20 +185,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def demo_policy(args: argparse.Namespace) -> Policy:
+    """The demo's EAD: the settings chosen for the embedded pair, or with ``--no-lookahead`` EAD as published (window
+    5, dwell 10) at the threshold chosen for that variant; ``--threshold`` replaces the threshold."""
+    import dataclasses
+
+    from ead_llm.embedded import recommended_policy, recommended_threshold
+    from ead_llm.policies.switching import EAD
+
+    policy = EAD(threshold=recommended_threshold()) if args.lookahead is False else recommended_policy()
+    if args.lookahead and not policy.lookahead:  # a record without lookahead settings: the bench's dev choice
+        policy = dataclasses.replace(policy, window=1, min_dwell=1, lookahead=True)
+    return policy if args.threshold is None else dataclasses.replace(policy, threshold=args.threshold)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.panel import Panel
     from rich.text import Text
 
     from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
-    from ead_llm.embedded import recommended_threshold
     from ead_llm.evaluation.task import extract_answer, problems
     from ead_llm.policies.base import policy_tag
-    from ead_llm.policies.switching import EAD
 
     console = Console()
-    threshold = args.threshold if args.threshold is not None else recommended_threshold()
-    policy = EAD(threshold=threshold, window=1, min_dwell=1, lookahead=True) if args.lookahead else EAD(threshold)
+    policy = demo_policy(args)
     llm = EntropyAdaptiveLLM(policy=policy, max_tokens=400)
     tasks = problems("test", args.problems, seed=args.seed)
     result = llm.generate([t.prompt for t in tasks])
@@ -263,7 +313,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def serve_limits(args: argparse.Namespace) -> ServerLimits:
     """What ``serve``'s options bound and guard (checked here: a bad value is refused before loading)."""
-    from ead_llm.serving.server import ServerLimits
+    from ead_llm.serving.limits import ServerLimits
 
     return ServerLimits(
         max_request_bytes=args.max_request_bytes,
@@ -374,7 +424,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             progress=progress,
         )
-    render_table(report, Console() if sys.stdout.isatty() else Console(width=170))
+    render_table(report, Console() if sys.stdout.isatty() else Console(width=100))
     for warning in report.timing_warnings():
         print(f"ead-llm bench: warning: {warning}", file=sys.stderr)
     for path in files.values():
@@ -396,26 +446,55 @@ def _escape(text: str) -> str:
     return escape(text).replace("\n", "\\n")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with each option's default where its text does not already say it (flags that are off
+    and settings whose default is described in words are left as they are)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if "default" in text or not action.option_strings or unset:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="torch device such as cpu or cuda:0 (default: cuda if present)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16", "float16"),
+        help="weights' type (default: bfloat16 on a GPU that has it, else float32)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="ead-llm", description="A small and a large LM as one cheaper LM, switching on entropy."
+        prog="ead-llm",
+        description="A small and a large LM as one cheaper LM, switching on entropy.",
+        formatter_class=HelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate = commands.add_parser("generate", help="complete one prompt and print the text and its cost")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", help="the text to complete (the embedded pair: a problem such as 4821+3907-1568)")
     generate.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
     generate.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    generate.add_argument("--device", default=None)
-    generate.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    _add_device(generate)
     generate.add_argument("--json", action="store_true", help="print text, cost and per-token models as JSON")
     _add_sampling(generate)
     generate.set_defaults(func=cmd_generate)
     demo = commands.add_parser("demo", help="offline demo: EAD on the embedded pair solves a few test problems")
-    demo.add_argument("--threshold", type=float, default=None, help="EAD threshold in bits (default: the pair's)")
-    demo.add_argument("--problems", type=int, default=5, help="how many test problems (default 5)")
-    demo.add_argument("--seed", type=int, default=0, help="which test problems (default 0)")
     demo.add_argument(
-        "--lookahead", action="store_true", help="EAD with lookahead, window 1, dwell 1 (the bench's dev choice)"
+        "--threshold", type=float, default=None, help="EAD threshold in bits (default: the one chosen for the pair)"
+    )
+    demo.add_argument("--problems", type=int, default=5, help="how many test problems")
+    demo.add_argument("--seed", type=int, default=0, help="which test problems")
+    demo.add_argument(
+        "--lookahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="EAD with lookahead, window 1, dwell 1 (default: the settings chosen for the pair on its dev split); "
+        "--no-lookahead: EAD as published, window 5, dwell 10, which gets fewer answers right",
     )
     demo.set_defaults(func=cmd_demo)
     distill = commands.add_parser(
@@ -428,17 +507,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(distill)
     distill.set_defaults(func=cmd_distill)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
     serve.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    serve.add_argument("--device", default=None)
-    serve.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    _add_device(serve)
     _add_policy(serve, "default policy")
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
-    serve.add_argument("--kv-budget", type=int, default=None, help="most KV positions held per model (memory bound)")
-    serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take")
+    serve.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        help="most KV positions held per model, a memory bound (default: what the models' context allows)",
+    )
+    serve.add_argument("--timeout", type=float, default=None, help="seconds a request may take (default: no limit)")
     serve.add_argument(
         "--model-name", default=None, help="model id clients use (default: ead-llm/embedded or ead-llm/<large model>)"
     )
@@ -448,7 +531,8 @@ def build_parser() -> argparse.ArgumentParser:
                 f"--price-{model}-{side}",
                 type=float,
                 default=None,
-                help=f"USD per million {side} tokens of the {model} model (any price given: usage carries cost_usd)",
+                help=f"USD per million {side} tokens of the {model} model (default 0 once any price is given; "
+                "then usage carries cost_usd)",
             )
         serve.add_argument(
             f"--price-{model}-cached-input",
@@ -491,17 +575,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="lift the default length bounds of JSON under a schema (strings 256 chars, integers 15 digits, "
         "6 decimals, 64 items) where the schema sets none",
     )
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="uvicorn's log level",
+    )
     serve.add_argument(
         "--replicas",
         type=int,
         default=1,
         help="engines behind Ray Serve (pip install 'ead-llm[ray]'; default 1: no Ray)",
     )
-    serve.add_argument("--num-cpus", type=float, default=None, help="Ray: CPUs reserved per replica")
-    serve.add_argument("--num-gpus", type=float, default=None, help="Ray: GPUs reserved per replica")
-    serve.add_argument("--min-replicas", type=int, default=None, help="Ray: autoscaling lower bound")
-    serve.add_argument("--max-replicas", type=int, default=None, help="Ray: autoscaling upper bound")
+    serve.add_argument(
+        "--num-cpus", type=float, default=None, help="Ray: CPUs reserved per replica (default: Ray's, 1)"
+    )
+    serve.add_argument(
+        "--num-gpus", type=float, default=None, help="Ray: GPUs reserved per replica (default: Ray's, 0)"
+    )
+    serve.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="Ray: autoscaling lower bound, 0 allowed (default 1 once either bound is given)",
+    )
+    serve.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="Ray: autoscaling upper bound (default: --replicas once either bound is given)",
+    )
     serve.set_defaults(func=cmd_serve)
     bench = commands.add_parser(
         "bench",
@@ -511,19 +614,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-results", help="folder for results.json/csv and plots")
     bench.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
     bench.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    bench.add_argument("--device", default=None)
-    bench.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"))
+    _add_device(bench)
     bench.add_argument("--task", default=None, help="JSONL file of {prompt, answer} (default: the embedded task)")
     bench.add_argument("--dev-task", default=None, help="JSONL file of dev problems (default: from --task)")
-    bench.add_argument("--dev-fraction", type=float, default=None, help="dev share of unmarked --task lines (0.3)")
+    bench.add_argument(
+        "--dev-fraction", type=float, default=None, help="dev share of unmarked --task lines (default 0.3)"
+    )
     bench.add_argument(
         "--extractor", default=None, help="answer extractor of a --task (default hashes): " + ", ".join(EXTRACTOR_NAMES)
     )
-    bench.add_argument("--dev", type=int, default=None, help="dev problems (embedded: 100, quick 20)")
-    bench.add_argument("--test", type=int, default=None, help="test problems (embedded: 200, quick 30)")
-    bench.add_argument("--thresholds", type=float, nargs="+", default=None, help="EAD thresholds (bits) to sweep")
+    bench.add_argument(
+        "--dev", type=int, default=None, help="dev problems (default: embedded 100, quick 20; a --task: all)"
+    )
+    bench.add_argument(
+        "--test", type=int, default=None, help="test problems (default: embedded 200, quick 30; a --task: all)"
+    )
+    bench.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        default=None,
+        help="EAD thresholds (bits) to sweep (default 0.05 0.1 0.2 0.4, quick 0.1 0.4)",
+    )
     bench.add_argument("--budget", type=float, default=None, help="cost budget for the dev choice (default 0.25)")
-    bench.add_argument("--budget-metric", choices=("large_fraction", "parameter_ratio"), default=None)
+    bench.add_argument(
+        "--budget-metric",
+        choices=("large_fraction", "parameter_ratio"),
+        default=None,
+        help="what --budget bounds (default large_fraction)",
+    )
     bench.add_argument(
         "--variants",
         nargs="+",
@@ -533,22 +652,43 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--gamma", type=int, default=None, help="speculative/EASD drafts per round (default 4)")
     bench.add_argument("--entropy-threshold", type=float, default=None, help="EASD threshold, bits (default 2)")
-    bench.add_argument("--eager-thetas", type=float, nargs="*", default=None, help="EAGER thetas (none: skip)")
+    bench.add_argument(
+        "--eager-thetas",
+        type=float,
+        nargs="*",
+        default=None,
+        help="EAGER thetas to sweep, nats (default 0.4 0.8, quick 0.8; the flag alone: skip EAGER)",
+    )
     bench.add_argument("--eager-paths", type=int, default=None, help="EAGER max_paths (default 8, quick 4)")
     bench.add_argument("--max-tokens", type=int, default=None, help="per completion (default 400)")
     bench.add_argument("--batch-size", type=int, default=None, help="test requests per engine call (default 1)")
     bench.add_argument("--dev-batch-size", type=int, default=None, help="dev requests per engine call (default 32)")
-    bench.add_argument("--seed", type=int, default=None)
-    bench.add_argument("--prompt-format", choices=("text", "chat"), default=None)
+    bench.add_argument("--seed", type=int, default=None, help="sampling seed of every run (default 0)")
+    bench.add_argument(
+        "--prompt-format",
+        choices=("text", "chat"),
+        default=None,
+        help="prompts as plain text or through the tokenizer's chat template (default text)",
+    )
     bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
     bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
     bench.add_argument(
         "--repeats", type=int, default=None, help="timings per test run, the median counts (default 1, quick 3)"
     )
-    bench.add_argument("--stop", action="append", default=None, help="stop string of every completion (repeatable)")
+    bench.add_argument(
+        "--stop", action="append", default=None, help="stop string of every completion (repeatable; default: none)"
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar (or line)")
     bench.set_defaults(func=cmd_bench)
     return parser
+
+
+class _Parser(argparse.ArgumentParser):
+    """A subcommand's parser: the same help formatter as the command's."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def one_line(err: BaseException) -> str:
@@ -568,10 +708,53 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split("\n")[0].split()) or type(err).__name__
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse, before torch and the models load, whatever the options get wrong that can be seen without them:
+    model folders, the policy and its settings, sampling settings, counts and the server's limits."""
+    from ead_llm.core.request import SamplingParams
+    from ead_llm.core.sources import check_source
+    from ead_llm.core.validation import check_float, check_int
+
+    small, large = getattr(args, "small", None), getattr(args, "large", None)
+    if (small is None) != (large is None):
+        raise ValueError("pass both --small and --large, or neither for the embedded pair")
+    for name, source in (("small", small), ("large", large)):
+        if source is not None:
+            check_source(name, source)
+    if args.command == "generate":
+        _policy(args)
+        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, tuple(args.stop or ()), args.seed)
+    elif args.command == "demo":
+        demo_policy(args)
+        check_int("--problems", args.problems, minimum=1)
+        check_int("--seed", args.seed, minimum=0)
+    elif args.command == "serve":
+        serve_policy(args)
+        SamplingParams(max_tokens=args.max_tokens)
+        check_int("--port", args.port, minimum=0, maximum=65535)
+        check_int("--max-batch", args.max_batch, minimum=1)
+        check_int("--replicas", args.replicas, minimum=1)
+        for name, least in (("kv_budget", 1), ("min_replicas", 0), ("max_replicas", 1)):
+            if getattr(args, name) is not None:
+                check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=least)
+        if args.timeout is not None:
+            check_float("--timeout", args.timeout, minimum=0.0, exclusive_minimum=True)
+        for name in ("num_cpus", "num_gpus"):
+            if getattr(args, name) is not None:
+                check_float("--" + name.replace("_", "-"), getattr(args, name), minimum=0.0)
+        serve_pricing(args)
+        serve_limits(args)
+    elif args.command == "bench":
+        for name in ("dev", "test", "max_tokens", "batch_size", "dev_batch_size", "repeats", "eager_paths", "gamma"):
+            if getattr(args, name) is not None:
+                check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=1)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_args(args)
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # no "Loading weights" bars in a command's output

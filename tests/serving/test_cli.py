@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
 from ead_llm import EAD
-from ead_llm.embedded import recommended_threshold
+from ead_llm.embedded import recommended_policy, recommended_threshold
 from ead_llm.serving.cli import build_parser, main, serve_config, serve_policy
 
 
@@ -67,13 +69,15 @@ def test_generate_refuses_bad_values_with_exit_code_2(llama_paths, capsys: pytes
 
 def test_demo_runs_offline(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert main(["demo", "--problems", "2"]) == 0
+    assert main(["demo", "--problems", "3"]) == 0
     out = capsys.readouterr().out
-    assert "/2 right" in out
-    assert "completion_tokens" in out and "parameter_ratio" in out
-    assert main(["demo", "--problems", "2", "--lookahead"]) == 0
-    out = capsys.readouterr().out
+    assert "3/3 right" in out and "wrong" not in out  # the first screen a newcomer sees: the pair's chosen settings
     assert "lookahead=True" in out and "withheld_tokens" in out
+    assert "completion_tokens" in out and "parameter_ratio" in out
+    assert main(["demo", "--problems", "3", "--no-lookahead"]) == 0  # EAD as published, at its own threshold
+    out = capsys.readouterr().out
+    assert f"threshold={recommended_threshold()}" in out and "window=5" in out and "lookahead=False" in out
+    assert "wrong (expected" in out  # a wrong answer says so, and what it should have been
 
 
 @pytest.mark.parametrize(
@@ -111,12 +115,13 @@ def test_serve_keeps_ead_options_given_without_a_threshold() -> None:
         return serve_policy(build_parser().parse_args(["serve", *options]))
 
     assert policy() is None  # the LLM's own default
-    pair_default = recommended_threshold()
-    assert policy("--lookahead") == EAD(threshold=pair_default, lookahead=True)
-    assert policy("--window", "2", "--min-dwell", "3") == EAD(threshold=pair_default, window=2, min_dwell=3)
-    assert policy("--threshold", "0.3") == EAD(threshold=0.3)
+    pair = recommended_policy()
+    assert pair.lookahead and pair != EAD()  # the embedded pair's settings differ from EAD's defaults
+    assert policy("--no-lookahead") == replace(pair, lookahead=False)
+    assert policy("--window", "2", "--min-dwell", "3") == replace(pair, window=2, min_dwell=3)
+    assert policy("--threshold", "0.3") == replace(pair, threshold=0.3)
     folder = policy("--small", "s", "--large", "l", "--lookahead")
-    assert folder == EAD(threshold=EAD().threshold, lookahead=True)  # another pair: EAD's own default
+    assert folder == EAD(lookahead=True)  # another pair: EAD's own defaults
 
 
 def test_serve_can_lift_the_json_bounds() -> None:
@@ -184,3 +189,68 @@ def test_generate_matches_the_llms_defaults_on_the_embedded_pair(capsys: pytest.
 def test_bench_refuses_task_options_without_a_task(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "--extractor", "nope"]) == 2
     assert "--extractor applies to a --task file" in capsys.readouterr().err
+
+
+def test_every_policy_is_reachable_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from ead_llm import EAGER
+    from ead_llm.policies.base import _policy_classes
+    from ead_llm.serving.cli import POLICY_NAMES, _policy
+
+    public = {name for name in _policy_classes() if not name.startswith(("random", "fixed", "oracle"))}
+    assert public <= set(POLICY_NAMES)
+    eager = _policy(build_parser().parse_args(["generate", "x", "--policy", "eager", "--theta", "0.5"]))
+    assert eager == EAGER(theta=0.5)
+    assert main(["generate", "4821+3907-1568", "--policy", "eager", "--max-paths", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["cost"]["paths"] >= 1 and out["text"]
+    assert main(["generate", "x", "--policy", "eager", "--threshold", "1"]) == 2
+    assert "--threshold does not apply to --policy eager" in capsys.readouterr().err
+
+
+def _options(parser) -> list[tuple[str, object]]:
+    import argparse
+
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return [
+        (f"{name} {'/'.join(action.option_strings) or action.dest}", action)
+        for name, sub in commands.choices.items()
+        for action in sub._actions
+        if not isinstance(action, argparse._HelpAction)
+    ]
+
+
+def test_every_option_has_help_and_its_default() -> None:
+    from ead_llm.serving.cli import HelpFormatter
+
+    for where, action in _options(build_parser()):
+        assert action.help, f"{where} has no help text"
+        shown = HelpFormatter("ead-llm")._get_help_string(action)
+        is_flag = action.nargs == 0 and not isinstance(action.default, str)
+        if action.option_strings and not action.required and not is_flag:
+            assert "default" in shown, f"{where}: the help does not say the default"
+    wide = {**os.environ, "COLUMNS": "300"}  # argparse wraps at the terminal's width
+    bench = [sys.executable, "-m", "ead_llm.serving.cli", "bench", "--help"]
+    shown = subprocess.run(bench, capture_output=True, text=True, check=True, env=wide).stdout
+    assert "(default: bench-results)" in shown
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "x", "--max-tokens", "-5"], "max_tokens must be >= 1, got -5"),
+        (["generate", "x", "--small", "/no/such/small", "--large", "/no/such/large"], "does not exist"),
+        (["generate", "x", "--small", "org/model"], "pass both --small and --large"),
+        (["generate", "x", "--policy", "eager", "--theta", "-1"], "theta must be >= 0.0"),
+        (["serve", "--port", "70000"], "--port must be in [0, 65535]"),
+        (["serve", "--max-request-bytes", "0"], "max_request_bytes must be >= 1"),
+        (["demo", "--problems", "0"], "--problems must be >= 1"),
+        (["bench", "--dev", "0"], "--dev must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_torch_loads(argv: list[str], needle: str) -> None:
+    code = (
+        "import sys; from ead_llm.serving.cli import main; code = main(sys.argv[1:]); "
+        "print(code, sorted(m for m in ('torch', 'transformers', 'langchain_core', 'dspy') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "2 []" and needle in out.stderr
