@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from ead_llm.evaluation.bench import (
     write_report,
 )
 from ead_llm.evaluation.bench.harness import fixed_block_for, planned_problems
+from ead_llm.evaluation.bench.report import goal_sentences
 from ead_llm.evaluation.bench.tasks import EXTRACTORS, SCORERS, hash_split
 from ead_llm.evaluation.evaluate import run_policy
 from ead_llm.policies.controls import RandomSwitching
@@ -171,7 +173,9 @@ def test_random_control_hits_a_matched_fraction_on_real_text() -> None:
     assert control.completions[0].roles != control.completions[1].roles[: len(control.completions[0].roles)]
 
 
-def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, Path], tmp_path: Path) -> None:
+def test_quick_bench_on_a_tiny_pair_writes_every_file(
+    llama_paths: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     lines = [{"prompt": f"{i}+{i}=", "answer": 2 * i, "split": "dev" if i < 4 else "test"} for i in range(10)]
     task = _write(tmp_path / "sums.jsonl", lines)
     out = tmp_path / "out"
@@ -180,6 +184,13 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(llama_paths: tuple[Path, P
     argv += ["--extractor", "last_number", "--max-tokens", "12", "--thresholds", "3", "8", "--no-progress"]
     argv += ["--variants", "5:10", "1:1:lookahead", "--stop", "=="]
     assert main(argv) == 0
+    shown = capsys.readouterr().out  # not a terminal: printed 100 columns wide
+    table = [line for line in shown.splitlines() if not line.startswith("wrote ")]  # the files' paths are the test's
+    assert max(len(line) for line in table) <= 100 and "\u2026" not in shown  # nothing cut short
+    assert "EAD+lookahead w1/d1 tau=3" in shown and "(the embedded pair)" not in shown
+    assert re.search(
+        r"^goal: the large model writes [\d.]+% of its tokens \(goal <= 0.25\): (met|NOT met)\.$", shown, re.M
+    )
     assert {p.name for p in out.iterdir()} == {
         "partial.jsonl",
         "results.json",
@@ -318,3 +329,54 @@ def test_plot_points_never_sit_on_each_other_and_crowded_axes_go_log() -> None:
     assert dodge([(0.1, 0.5), (0.6, 0.5)]) == [0.1, 0.6]
     assert crowded([0.0, 0.01, 0.02, 0.03, 0.05, 1.0])  # most points in the left fifth, over two decades
     assert not crowded([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    cluster = [(1.0, 0.99), (0.99, 0.99), (1.0, 0.995), (1.01, 0.99), (0.25, 0.5)]  # LargeOnly and its neighbours
+    xs = dodge(cluster)
+    step = 0.015 * (1.01 - 0.25)
+    assert all(abs(a - b) >= step - 1e-12 for i, a in enumerate(xs[:4]) for b in xs[i + 1 : 4])
+    assert abs(sum(xs[:4]) / 4 - 1.0) <= step and xs[4] == 0.25  # nudged both ways: the cluster stays in place
+
+
+def test_log_axis_ticks_keep_zero_apart_from_the_first_decade() -> None:
+    from ead_llm.evaluation.bench.plots import _from_symlog, _to_symlog, decade_ticks
+
+    ticks = decade_ticks([0.0, 0.009, 0.05, 0.2, 1.0])
+    assert ticks == [0.0, 1e-3, 1e-2, 1e-1, 1.0]
+    linthresh = ticks[1] / 10
+    assert _to_symlog(ticks[1], linthresh) - _to_symlog(0.0, linthresh) >= 1.0  # a decade apart, as drawn
+    assert decade_ticks([0.02, 0.3]) == [1e-2, 1e-1, 1.0]  # no zero tick without a zero
+    for x in (0.0, 5e-5, 1e-4, 0.03, 1.0):
+        assert _from_symlog(_to_symlog(x, linthresh), linthresh) == pytest.approx(x)
+
+
+def test_goals_read_as_sentences() -> None:
+    goals = {
+        "ead": "EAD w1/d1 tau=0.05",
+        "accuracy_retained": {"value": 0.98, "goal": ">= 0.97", "met": True},
+        "large_fraction": {"value": 0.3, "goal": "<= 0.25", "met": False},
+        "wall_clock_vs_parameter_ratio": {
+            "value": 3.0,
+            "wall_cost_vs_large": 0.6,
+            "parameter_ratio": 0.2,
+            "ideal_wall_cost_vs_large": 0.45,
+            "small_only_wall_cost_vs_large": None,
+            "goal": "<= 1.2",
+            "met": False,
+        },
+        "beats_random": {
+            "ead_accuracy": 0.99,
+            "random_accuracy": 0.48,
+            "random_ci_high": 0.55,
+            "random_large_fraction": 0.175,
+            "mcnemar_p": 5e-30,
+            "met": True,
+        },
+    }
+    assert goal_sentences(goals) == [
+        "goal: EAD w1/d1 tau=0.05 keeps 98.0% of LargeOnly's accuracy (goal >= 0.97): met.",
+        "goal: the large model writes 30.0% of its tokens (goal <= 0.25): NOT met.",
+        "goal: its wall clock is 0.60 of LargeOnly's, 3.00x its parameter ratio 0.200 (ideal from each model's speed "
+        "0.45; goal <= 1.2x): NOT met.",
+        "goal: its accuracy 99.0% is above the random control's 95% interval (random switching at the same large "
+        "fraction, 0.175: 48.0%, at most 55.0%; McNemar p = 5e-30): met.",
+    ]
+    assert goal_sentences({}) == []

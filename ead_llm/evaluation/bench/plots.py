@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.ticker import FixedLocator, NullLocator
 
-from ead_llm.evaluation.bench.report import pareto_frontier
+from ead_llm.evaluation.bench.report import pair_name, pareto_frontier
 
 STYLE: dict[str, dict[str, Any]] = {
     "small_only": {"marker": "o", "color": "tab:gray", "label": "SmallOnly"},
@@ -23,7 +25,6 @@ STYLE: dict[str, dict[str, Any]] = {
     "easd": {"marker": "v", "color": "tab:pink", "label": "EASD"},
     "eager": {"marker": "P", "color": "tab:brown", "label": "EAGER"},
 }
-SWITCHING = ("small_only", "large_only", "ead", "random_switching", "fixed_block", "oracle")
 
 
 def _errors(runs: list[dict[str, Any]]) -> list[list[float]]:
@@ -46,21 +47,40 @@ def _style(series: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"marker": "o", "color": color, "label": f"{series} (threshold sweep)"}
 
 
-def dodge(points: list[tuple[float, float]], size: float = 0.012) -> list[float]:
-    """x positions for ``points`` such that none sits on an earlier one: a point within ``size`` of the
-    axes' spans (in x and in y) of earlier points moves right by ``size`` of the x span per such point."""
+def dodge(points: list[tuple[float, float]], size: float = 0.015, height: float = 0.03) -> list[float]:
+    """x positions for ``points`` such that no marker sits on another: each point, in turn, takes the nearest of
+    x, x + step, x - step, x + 2 step, ... (step: ``size`` of the x span) that no point placed before it is within
+    a step of in x while within ``height`` of the y span in y. Nudges alternate sides, so a cluster stays centred
+    on its true place."""
     if not points:
         return []
     xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x_span = (max(xs) - min(xs)) or 1.0
-    y_span = (max(ys) - min(ys)) or 1.0
-    out: list[float] = []
-    for i, (x, y) in enumerate(points):
-        near = sum(
-            1 for j in range(i) if abs(points[j][0] - x) <= size * x_span and abs(points[j][1] - y) <= size * y_span
-        )
-        out.append(x + near * size * x_span)
-    return out
+    step = size * ((max(xs) - min(xs)) or 1.0)
+    rise = height * ((max(ys) - min(ys)) or 1.0)
+    placed: list[tuple[float, float]] = []
+    for x, y in points:
+        offsets = (k * sign for k in range(len(points) + 1) for sign in ((1,) if k == 0 else (1, -1)))
+        spots = (x + k * step for k in offsets)
+        spot = next(c for c in spots if all(abs(px - c) >= step or abs(py - y) > rise for px, py in placed))
+        placed.append((spot, y))
+    return [x for x, _ in placed]
+
+
+def _to_symlog(x: float, linthresh: float) -> float:
+    """Where ``x`` sits on a symlog axis (linear below ``linthresh``, one decade per unit above)."""
+    return x / linthresh if abs(x) <= linthresh else math.copysign(1 + math.log10(abs(x) / linthresh), x)
+
+
+def _from_symlog(t: float, linthresh: float) -> float:
+    return t * linthresh if abs(t) <= 1 else math.copysign(linthresh * 10 ** (abs(t) - 1), t)
+
+
+def decade_ticks(xs: list[float]) -> list[float]:
+    """Ticks of a symlog axis over ``xs``: 0 where a point is 0, then every decade from the smallest positive
+    point's up (no tick between 0 and the first decade, where their labels would collide)."""
+    positive = [x for x in xs if x > 0]
+    low, high = math.floor(math.log10(min(positive))), math.ceil(math.log10(max(positive)))
+    return [0.0] * any(x <= 0 for x in xs) + [10.0**e for e in range(low, high + 1)]
 
 
 def crowded(xs: list[float]) -> bool:
@@ -74,11 +94,19 @@ def crowded(xs: list[float]) -> bool:
     return left >= 0.6 * len(xs) and max(positive) / min(positive) >= 10
 
 
-def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str, policies: tuple[str, ...] | None = None) -> None:
-    shown = [r for r in runs if r.get(x_key) is not None and (policies is None or r["policy"] in policies)]
-    if crowded([r[x_key] for r in shown]):
-        ax.set_xscale("symlog", linthresh=max(1e-3, min(r[x_key] for r in shown if r[x_key] > 0)))
-    shifted = dodge([(r[x_key], r["accuracy"]) for r in shown])
+def _draw(ax: Axes, runs: list[dict[str, Any]], x_key: str) -> None:
+    shown = [r for r in runs if r.get(x_key) is not None]
+    values = [r[x_key] for r in shown]
+    if crowded(values):
+        ticks = decade_ticks(values)
+        linthresh = next(t for t in ticks if t > 0) / 10  # 0 and the first decade a decade apart
+        ax.set_xscale("symlog", linthresh=linthresh)
+        ax.xaxis.set_major_locator(FixedLocator(ticks))
+        ax.xaxis.set_minor_locator(NullLocator())
+        moved = dodge([(_to_symlog(r[x_key], linthresh), r["accuracy"]) for r in shown])  # apart as drawn
+        shifted = [_from_symlog(t, linthresh) for t in moved]
+    else:
+        shifted = dodge([(r[x_key], r["accuracy"]) for r in shown])
     x_of = {id(r): x for r, x in zip(shown, shifted, strict=True)}
     for series in dict.fromkeys(_series(r) for r in shown):
         style = _style(series, shown)
@@ -124,12 +152,12 @@ def _large_reference(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
 def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
     """Accuracy against large-token fraction, wall-clock cost and FLOPs (test split); the paths written."""
     runs = [r for r in data["runs"] if r["split"] == "test"]
-    title = f"{data['task']}: {Path(data['pair']['small']).name} + {Path(data['pair']['large']).name}"
+    title = f"{data['task']}: {pair_name(data['pair'])}"
     large = _large_reference(runs)
     files: dict[str, Path] = {}
 
     fig, ax = plt.subplots(figsize=(11, 5.5))
-    _draw(ax, runs, "large_fraction", SWITCHING)
+    _draw(ax, runs, "large_fraction")
     if large is not None:
         ax.axhline(0.97 * large["accuracy"], color="black", linestyle=":", linewidth=1, label="97% of LargeOnly")
     ax.axvline(data["config"]["budget"], color="tab:blue", linestyle=":", linewidth=1, label="dev budget")
@@ -160,7 +188,7 @@ def plot_all(data: dict[str, Any], out: Path) -> dict[str, Path]:
                 label="EAD points at their parameter ratio",
             )
         ax.set_xlabel(xlabel)
-        ax.set_title(f"{title}\n{xlabel.split(' relative')[0]}: accuracy against cost")
+        ax.set_title(f"{title}\n{xlabel.split(' relative')[0]}: accuracy against cost (* = chosen on dev)")
         ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         files[f"plot_{key.split('_')[0]}"] = out / name
         fig.tight_layout()

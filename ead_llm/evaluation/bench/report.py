@@ -55,36 +55,55 @@ def pareto_frontier(points: Sequence[tuple[float, float]]) -> list[tuple[float, 
     return frontier
 
 
+def pair_name(pair: dict[str, Any]) -> str:
+    """``small + large`` by their short names: the embedded pair, or each folder's or file's last part, or its
+    Hub id."""
+    from ead_llm.embedded import EMBEDDED_DIR
+
+    if all(Path(pair[role]).parent == EMBEDDED_DIR for role in ("small", "large")):
+        return "the embedded pair"
+    return " + ".join(pair[r] if not Path(pair[r]).exists() else Path(pair[r]).name for r in ("small", "large"))
+
+
 def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
 def render_table(report: BenchReport, console: Console | None = None) -> None:
-    """Print the test split's runs, then the dev selection and the goals."""
+    """Print the test split's runs in two tables of at most 100 columns (accuracy and cost, then speed), the dev
+    selection, and the goals as sentences."""
     console = console or Console()
-    table = Table(title=f"{report.task}: test split ({report.pair['small']} + {report.pair['large']})")
-    columns = ["run", "accuracy", "95% CI", "large frac", "param ratio", "wall s", "tok/s", "wall vs L", "vs ideal"]
-    for column in (*columns, "FLOPs vs L", "p vs EAD"):
-        table.add_column(column, justify="left" if column == "run" else "right", no_wrap=True)
-    for record in report.records():
-        if record["split"] != "test":
-            continue
-        label = record["label"] + (" *" if record["chosen"] else "")
+    records = [r for r in report.records() if r["split"] == "test"]
+    labels = [r["label"] + (" *" if r["chosen"] else "") for r in records]
+    title = f"{report.task}, test split: accuracy and cost ({pair_name(report.pair)})"
+    quality = Table(title=title, title_justify="left")
+    speed = Table(title="the same runs: time, against LargeOnly (L) and the ideal", title_justify="left")
+    for table, columns in (
+        (quality, ("run", "accuracy", "95% CI", "p vs EAD", "large frac", "param ratio")),
+        (speed, ("run", "wall s", "tok/s", "wall vs L", "vs ideal", "FLOPs vs L")),
+    ):
+        for column in columns:
+            table.add_column(column, justify="left" if column == "run" else "right", no_wrap=column != "run")
+    for label, record in zip(labels, records, strict=True):
         vs_ead = record["vs_ead"]
-        table.add_row(
+        quality.add_row(
             label,
             f"{record['accuracy']:.1%}",
-            f"[{record['ci_low']:.1%}, {record['ci_high']:.1%}]",
+            f"{record['ci_low']:.1%}-{record['ci_high']:.1%}",
+            "-" if vs_ead is None else f"{vs_ead['p_value']:.2g}",
             f"{record['large_fraction']:.3f}",
             f"{record['parameter_ratio']:.3f}",
+        )
+        speed.add_row(
+            label,
             f"{record['wall_time_s']:.1f}",
             f"{record['tokens_per_s']:.0f}",
             _fmt(record["wall_cost_vs_large"], ".2f"),
             _fmt(record["wall_vs_ideal"], ".2f"),
             _fmt(record["flops_vs_large"], ".2f"),
-            "-" if vs_ead is None else f"{vs_ead['p_value']:.2g}",
         )
-    console.print(table)
+    console.print(quality)
+    console.print(speed)
     selection = report.selection
     console.print(
         f"* chosen on dev ({len(report.find('dev', 'ead')[0].correct)} problems): {selection['ead']}, "
@@ -92,10 +111,42 @@ def render_table(report: BenchReport, console: Console | None = None) -> None:
         + ("" if selection["within_budget"] else " (no threshold met the budget: the cheapest was taken)")
         + (f"; EAGER theta={selection['eager_theta']:g}" if "eager_theta" in selection else "")
     )
-    for name, goal in report.goals().items():
-        if isinstance(goal, dict):
-            shown = {k: round(v, 4) if isinstance(v, float) else v for k, v in goal.items()}
-            console.print(f"goal {name}: {shown}")
+    for sentence in goal_sentences(report.goals()):
+        console.print(sentence)
+
+
+def goal_sentences(goals: dict[str, Any]) -> list[str]:
+    """Each goal of :meth:`BenchReport.goals` as one sentence that gives its numbers and ends met or not met."""
+
+    def verdict(goal: dict[str, Any]) -> str:
+        return "met" if goal["met"] else "NOT met"
+
+    out = []
+    ead = goals.get("ead", "EAD")
+    if (goal := goals.get("accuracy_retained")) is not None:
+        kept = "unknown" if goal["value"] is None else f"{goal['value']:.1%}"
+        out.append(f"goal: {ead} keeps {kept} of LargeOnly's accuracy (goal {goal['goal']}): {verdict(goal)}.")
+    if (goal := goals.get("large_fraction")) is not None:
+        out.append(
+            f"goal: the large model writes {goal['value']:.1%} of its tokens (goal {goal['goal']}): {verdict(goal)}."
+        )
+    if (goal := goals.get("wall_clock_vs_parameter_ratio")) is not None and goal["value"] is not None:
+        extra = [f"ideal from each model's speed {goal['ideal_wall_cost_vs_large']:.2f}"]
+        if goal["small_only_wall_cost_vs_large"] is not None:
+            extra.append(f"SmallOnly {goal['small_only_wall_cost_vs_large']:.2f}")
+        out.append(
+            f"goal: its wall clock is {goal['wall_cost_vs_large']:.2f} of LargeOnly's, {goal['value']:.2f}x its "
+            f"parameter ratio {goal['parameter_ratio']:.3f} ({'; '.join(extra)}; goal {goal['goal']}x): "
+            f"{verdict(goal)}."
+        )
+    if (goal := goals.get("beats_random")) is not None:
+        out.append(
+            f"goal: its accuracy {goal['ead_accuracy']:.1%} is above the random control's 95% interval (random "
+            f"switching at the same large fraction, {goal['random_large_fraction']:.3f}: "
+            f"{goal['random_accuracy']:.1%}, at most {goal['random_ci_high']:.1%}; McNemar p = "
+            f"{goal['mcnemar_p']:.2g}): {verdict(goal)}."
+        )
+    return out
 
 
 def _csv_row(record: dict[str, Any]) -> dict[str, Any]:
