@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TypedDict
 
 import pytest
+from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage
 from langchain_core.tools import tool
 from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.prebuilt import create_react_agent
 
 from ead_llm import ChatEntropyAdaptive, EntropyAdaptiveLLM
 from ead_llm.evaluation.task import problems
@@ -58,10 +58,11 @@ def test_a_text_llm_node_runs_in_a_graph() -> None:
 
 
 def test_the_text_llm_sends_agents_to_the_chat_model() -> None:
+    agent = create_agent(EntropyAdaptiveLLM(max_tokens=10), [add])  # create_agent binds the tools on its first turn
     with pytest.raises(NotImplementedError, match=r"completion model.*ChatEntropyAdaptive"):
-        create_react_agent(EntropyAdaptiveLLM(max_tokens=10), [add])
+        agent.invoke({"messages": [("human", "1+2")]})
 
 
 def test_a_react_agent_builds_on_the_chat_model() -> None:
-    agent = create_react_agent(ChatEntropyAdaptive(max_tokens=10), [add])
+    agent = create_agent(ChatEntropyAdaptive(max_tokens=10), [add])
     assert "tools" in agent.get_graph().nodes

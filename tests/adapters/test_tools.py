@@ -16,7 +16,6 @@ from langchain.agents import create_agent
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from langgraph.prebuilt import create_react_agent
 from pydantic import BaseModel, Field
 from typing_extensions import TypedDict
 
@@ -278,10 +277,10 @@ def test_an_agent_loop_runs_with_a_forced_tool() -> None:
         calls.append({"city": city})
         return "sunny"
 
-    agent = create_react_agent(chat, [weather])
+    agent = create_agent(chat, [weather])
     first = agent.invoke({"messages": [HumanMessage("Weather in Lima?")]}, {"recursion_limit": 6})
     assert isinstance(first["messages"][-1], AIMessage)  # a random model may answer without a tool
-    forced = create_react_agent(chat.bind_tools([weather], tool_choice="weather"), [weather])
+    forced = create_agent(chat.bind_tools([weather], tool_choice="weather"), [weather])
     with pytest.raises(Exception, match=r"[Rr]ecursion"):  # forced every turn: it calls until the limit
         forced.invoke({"messages": [HumanMessage("Weather in Lima?")]}, {"recursion_limit": 5})
     assert calls and all(c["city"] in ("Paris", "Tokyo", "Lima") for c in calls)

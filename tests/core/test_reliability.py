@@ -15,7 +15,7 @@ from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.policies.controls import RandomSwitching
 
-PROMPTS = ["12+35=", "The quick brown fox", "a+b=", "x=1\ny=", "def add(a, b):", "99+1=", "Q: 3*4?", "hello"]
+PROMPTS = ["12+35=", "The quick brown fox", "a+b=", "x=1\ny=", "sum of a, b:", "99+1=", "Q: 3*4?", "hello"]
 
 
 def _break_runner(engine: Engine, monkeypatch: pytest.MonkeyPatch, fault) -> None:
@@ -125,6 +125,7 @@ def _mixed(n: int, offset: int) -> list[Request]:
     return out
 
 
+@pytest.mark.slow  # 20 s: 400 requests; test_scheduler checks concurrent callers in the README suite
 def test_eight_threads_of_fifty_mixed_requests_match_one_thread(llama_pair) -> None:
     engine = Engine(llama_pair, max_batch=16)
     caches = dict(engine.caches)
