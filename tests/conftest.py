@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each, for the
+    os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start too (threads spinning on one core slow 10x)
+
 import pytest
+import torch
 
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
@@ -13,6 +17,8 @@ from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # LiteLLM: no network fetch in tests
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,14 @@ The cache is ``$EAD_LLM_CACHE`` or ``~/.cache/ead-llm``.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,6 +39,45 @@ DRAFT_LAYERS = 8
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm"))
+
+
+_held = threading.local()
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@contextmanager
+def _conversion_lock() -> Iterator[None]:
+    """One process at a time checks and writes the cache (parallel test workers, parallel jobs); re-entrant
+    within a thread, since one conversion starts from another's folder."""
+    if getattr(_held, "depth", 0):
+        _held.depth += 1
+        try:
+            yield
+        finally:
+            _held.depth -= 1
+        return
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with (cache_dir() / ".convert.lock").open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        _held.depth = 1
+        try:
+            yield
+        finally:
+            _held.depth = 0
+
+
+def _locked(function: F) -> F:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _conversion_lock():
+            return function(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 def gguf_path() -> Path:
@@ -51,6 +94,7 @@ def gguf_path() -> Path:
     return path
 
 
+@_locked
 def full_model() -> Path:
     """The converted SmolLM2-135M-Instruct folder (converted from the GGUF file on first use)."""
     target = cache_dir() / FULL
@@ -70,6 +114,7 @@ def full_model() -> Path:
     return target
 
 
+@_locked
 def early_exit_draft(layers: int = DRAFT_LAYERS) -> Path:
     """The full model cut after ``layers`` layers (its final norm and tied head kept), untrained."""
     target = cache_dir() / f"{FULL}-exit{layers}"
@@ -116,6 +161,7 @@ def unseen_questions(count: int, task: Path = BENCH_TASK) -> list[str]:
     return held[: count - half] + bench[:half]
 
 
+@_locked
 def fast_draft() -> Path:
     """A folder usable as ``small=`` with SmolLM2-135M-Instruct as ``large=``: the shipped one-layer draft that
     reads the model's hidden states (:mod:`ead_llm.drafts.model`), assembled on first use with the model's own

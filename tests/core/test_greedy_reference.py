@@ -18,13 +18,7 @@ def embedded_engine() -> Engine:
     return EntropyAdaptiveLLM().shared_engine
 
 
-FAST = ("large_only", "ead_default", "ead_lookahead", "speculative_g4", "easd", "eager_ead")
-"""One of each family in the README's suite; the rest of the record (7 policies, a minute) in CI's slow set."""
-
-
-@pytest.mark.parametrize(
-    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in sorted(POLICIES)]
-)
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_greedy_streams_equal_the_recorded_ones(embedded_engine: Engine, name: str) -> None:
     expected = json.loads(REFERENCE.read_text())[name]
     embedded_engine.prefix_caching = False  # the passes as recorded: every prompt computed

@@ -29,7 +29,7 @@ def test_a_gguf_file_is_a_source_like_a_folder(real_paths: tuple[Path, Path]) ->
     assert split_gguf("org/repo/model.Q4_K_M.gguf") == ("org/repo", {"gguf_file": "model.Q4_K_M.gguf"})
 
 
-@pytest.mark.slow  # a minute: the command line dequantizes the GGUF file again, in a fresh engine
+@pytest.mark.slow  # a minute: the command line dequantizes the GGUF file again
 def test_the_cli_takes_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:
     gguf = str(smollm2.gguf_path())
     options = ["--policy", "large", "--max-tokens", "4", "--json"]
@@ -37,6 +37,7 @@ def test_the_cli_takes_a_gguf_file(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and "Tokyo" in json.loads(capsys.readouterr().out)["text"]
 
 
+@pytest.mark.slow  # a minute: the first engine in the process to dequantize the GGUF file
 def test_the_server_serves_a_gguf_pair() -> None:
     from fastapi.testclient import TestClient
 
