@@ -62,7 +62,11 @@ def pair_name(pair: dict[str, Any]) -> str:
 
     if all(Path(pair[role]).parent == EMBEDDED_DIR for role in ("small", "large")):
         return "the embedded pair"
-    return " + ".join(pair[r] if not Path(pair[r]).exists() else Path(pair[r]).name for r in ("small", "large"))
+    def short(source: str) -> str:
+        path = Path(source)
+        return path.name if path.exists() or source.startswith(("/", "~", ".")) else source
+
+    return " + ".join(short(pair[role]) for role in ("small", "large"))
 
 
 def _fmt(value: Any, spec: str) -> str:
