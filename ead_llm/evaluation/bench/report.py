@@ -62,6 +62,7 @@ def pair_name(pair: dict[str, Any]) -> str:
 
     if all(Path(pair[role]).parent == EMBEDDED_DIR for role in ("small", "large")):
         return "the embedded pair"
+
     def short(source: str) -> str:
         path = Path(source)
         return path.name if path.exists() or source.startswith(("/", "~", ".")) else source
