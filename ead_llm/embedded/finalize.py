@@ -20,16 +20,15 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, ModelInfo, load_pair
 from ead_llm.core.types import Role
 from ead_llm.embedded import EMBEDDED_DIR
+from ead_llm.evaluation.bench.harness import LOOKAHEAD_EAD, PAPER_EAD
 from ead_llm.evaluation.evaluate import PolicyRun, run_policy
 from ead_llm.evaluation.task import Difficulty, problems
 from ead_llm.policies.base import LargeOnly, SmallOnly
 from ead_llm.policies.switching import EAD
 
 SWEEP = (0.025, 0.05, 0.1, 0.2, 0.4, 0.8)
-VARIANTS: dict[str, dict[str, Any]] = {
-    "published": {"window": 5, "min_dwell": 10, "lookahead": False},
-    "lookahead": {"window": 1, "min_dwell": 1, "lookahead": True},
-}
+VARIANTS = {"published": PAPER_EAD, "lookahead": LOOKAHEAD_EAD}
+"""The bench's two EAD variants: as published (window 5, dwell 10) and with lookahead (window 1, dwell 1)."""
 
 
 def choose(runs: dict[float, PolicyRun], max_large_fraction: float, tolerance: float) -> float:
@@ -95,9 +94,7 @@ def main() -> None:
     test = problems("test", args.test, difficulty=difficulty)
 
     dev_runs = {
-        (name, tau): run_policy(engine, dev, EAD(threshold=tau, **variant))
-        for name, variant in VARIANTS.items()
-        for tau in SWEEP
+        (name, tau): run_policy(engine, dev, variant.policy(tau)) for name, variant in VARIANTS.items() for tau in SWEEP
     }
     for (name, tau), run in dev_runs.items():
         print(f"dev  EAD {name:<9} {tau:<6} acc {run.accuracy:.3f}  f_L {run.large_fraction:.3f}", flush=True)
@@ -107,7 +104,13 @@ def main() -> None:
     }
     best = chosen["published"]
     winner = max(VARIANTS, key=lambda n: (dev_runs[n, chosen[n]].accuracy, -dev_runs[n, chosen[n]].large_fraction))
-    recommended = {"threshold": chosen[winner], **VARIANTS[winner]}
+    variant = VARIANTS[winner]
+    recommended: dict[str, Any] = {
+        "threshold": chosen[winner],
+        "window": variant.window,
+        "min_dwell": variant.min_dwell,
+        "lookahead": variant.lookahead,
+    }
     print(f"chosen on dev: {chosen}; recommended {recommended}", flush=True)
 
     test_runs: dict[str, PolicyRun] = {

@@ -458,7 +458,10 @@ class HelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _add_device(parser: argparse.ArgumentParser) -> None:
+def _add_models(parser: argparse.ArgumentParser) -> None:
+    """The pair and where it runs: --small, --large, --device, --dtype."""
+    parser.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
+    parser.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
     parser.add_argument("--device", default=None, help="torch device such as cpu or cuda:0 (default: cuda if present)")
     parser.add_argument(
         "--dtype",
@@ -477,9 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate = commands.add_parser("generate", help="complete one prompt and print the text and its cost")
     generate.add_argument("prompt", help="the text to complete (the embedded pair: a problem such as 4821+3907-1568)")
-    generate.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    generate.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    _add_device(generate)
+    _add_models(generate)
     generate.add_argument("--json", action="store_true", help="print text, cost and per-token models as JSON")
     _add_sampling(generate)
     generate.set_defaults(func=cmd_generate)
@@ -509,9 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
-    serve.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    serve.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    _add_device(serve)
+    _add_models(serve)
     _add_policy(serve, "default policy")
     serve.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     serve.add_argument("--max-batch", type=int, default=64, help="most sequences decoded at once")
@@ -612,9 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--quick", action="store_true", help="a small sweep on few problems (minutes)")
     bench.add_argument("--out", default="bench-results", help="folder for results.json/csv and plots")
-    bench.add_argument("--small", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    bench.add_argument("--large", default=None, help="Hugging Face id or folder (default: embedded pair)")
-    _add_device(bench)
+    _add_models(bench)
     bench.add_argument("--task", default=None, help="JSONL file of {prompt, answer} (default: the embedded task)")
     bench.add_argument("--dev-task", default=None, help="JSONL file of dev problems (default: from --task)")
     bench.add_argument(
@@ -723,7 +720,14 @@ def check_args(args: argparse.Namespace) -> None:
             check_source(name, source)
     if args.command == "generate":
         _policy(args)
-        SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, tuple(args.stop or ()), args.seed)
+        SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            stop=tuple(args.stop or ()),
+            seed=args.seed,
+        )
     elif args.command == "demo":
         demo_policy(args)
         check_int("--problems", args.problems, minimum=1)
