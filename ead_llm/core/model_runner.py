@@ -8,9 +8,10 @@ call :func:`paged_attention` (registered with transformers' ``AttentionInterface
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
 each row over its own positions without copying them where it can: a row whose history is all new (a
 prefill) over the pass's own keys with a causal kernel, a row whose blocks lie in order (the cache keeps
-room for that) over a view of them, one call each; the other rows (EAGER's forks, prompts that took
-cached blocks, short rows, for which one batched call costs less) are copied into a ``[B, H, 1, L]``
-call for decode rows and a second for multi-token rows. The model's head runs only at the positions
+room for that) over a view of them, a long row whose blocks lie in a few stretches (a prompt that took
+cached blocks, an EAGER fork) over a view of each, one call each; the other rows (short rows, for which
+one batched call costs less, and rows in many pieces) are copied into a ``[B, H, 1, L]`` call for decode
+rows and a second for multi-token rows. The model's head runs only at the positions
 someone reads (``logits_to_keep``), so a 2,000-token prefill returns one row of logits, not 2,000.
 
 Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
@@ -67,6 +68,9 @@ VIEW_MIN = 128
 """Positions from which a row in consecutive blocks is attended alone over a view of its blocks (no copy) rather
 than copied into a batch with the others: below it, one batched call for many rows costs less than one call each."""
 
+MAX_STRETCHES = 8
+"""The most stretches of consecutive blocks a row may lie in and still be attended over views of them."""
+
 
 @dataclass(frozen=True)
 class RowAttention:
@@ -75,8 +79,9 @@ class RowAttention:
 
     queries: slice
     """Packed positions of its new tokens."""
-    span: slice | None
-    """Flat cache slots of its positions 0..end; None: its keys are the pass's own at ``queries``."""
+    spans: tuple[slice, ...] | None
+    """Flat cache slots of its positions 0..end, one slice per stretch of consecutive blocks, in position order;
+    None: its keys are the pass's own at ``queries``."""
     mask: torch.Tensor | None
     """[1, 1, W, L] bool for several new tokens over a span (each sees the positions up to its own)."""
 
@@ -95,6 +100,34 @@ def attention(
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
+
+
+def split_attention(
+    query: torch.Tensor,
+    stretches: list[tuple[torch.Tensor, torch.Tensor]],
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """:func:`attention` of one row's queries ``[1, H, W, D]`` over keys and values that lie in several stretches
+    ``[1, Hkv, L_i, D]`` (in position order), without joining them: the scores against every stretch are
+    normalised together, then each stretch's values are weighted and summed. ``mask``: ``[1, 1, W, L]``."""
+    _, heads, width, dim = query.shape
+    kv_heads = stretches[0][0].shape[1]
+    q = query[0].reshape(kv_heads, heads // kv_heads * width, dim)  # query heads h = kv * group + g
+    scores = torch.cat([q @ keys[0].transpose(1, 2) for keys, _ in stretches], dim=-1).float()
+    scores *= dim**-0.5 if scaling is None else scaling
+    if mask is not None:
+        scores.masked_fill_(~mask[0, 0].repeat(heads // kv_heads, 1), float("-inf"))
+    weights = scores.softmax(dim=-1).to(query.dtype)
+    out = None
+    at = 0
+    for _, values in stretches:
+        length = values.shape[2]
+        part = weights[:, :, at : at + length] @ values[0]
+        out = part if out is None else out.add_(part)
+        at += length
+    assert out is not None
+    return out.view(1, heads, width, dim)
 
 
 @dataclass(frozen=True)
@@ -149,11 +182,13 @@ class PackedBatch:
     def _attend_row(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
         rows_q = query[:, :, row.queries]
-        if row.span is None:
+        if row.spans is None:
             keys, values = (tensor[:, :, row.queries] for tensor in self.fresh)
             return attention(rows_q, keys, values, None, scaling, causal=rows_q.shape[2] > 1)
-        keys, values = self.cache.view(layer, row.span)
-        return attention(rows_q, keys, values, row.mask, scaling)
+        if len(row.spans) == 1:
+            keys, values = self.cache.view(layer, row.spans[0])
+            return attention(rows_q, keys, values, row.mask, scaling)
+        return split_attention(rows_q, [self.cache.view(layer, span) for span in row.spans], row.mask, scaling)
 
     def _keys(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cache.gather(layer, group.key_slots)
@@ -197,6 +232,24 @@ def in_order(blocks: list[int], used: int) -> int | None:
     if blocks[used - 1] - first != used - 1 or blocks[:used] != list(range(first, first + used)):
         return None
     return first
+
+
+def stretches(blocks: list[int], used: int, limit: int = MAX_STRETCHES) -> list[tuple[int, int]] | None:
+    """(first block, blocks) of each stretch of consecutive blocks among a table's ``used`` first, in order; None
+    when there are more than ``limit``."""
+    first = in_order(blocks, used)
+    if first is not None:
+        return [(first, used)]
+    out = [(blocks[0], 1)]
+    for block in blocks[1:used]:
+        start, count = out[-1]
+        if block == start + count:
+            out[-1] = (start, count + 1)
+        elif len(out) >= limit:
+            return None
+        else:
+            out.append((block, 1))
+    return out
 
 
 def register_attention() -> None:
@@ -466,7 +519,7 @@ class ModelRunner:
                     slots.extend(range(first * size + start, first * size + end))
                 else:
                     slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            unit = self._alone(row, at, count, first, only=only)
+            unit = self._alone(row, at, count, first, only=only, blocks_used=self.cache.blocks_for(end))
             if unit is not None:
                 alone.append(unit)
             else:
@@ -496,22 +549,34 @@ class ModelRunner:
                 keep.extend(range(end - row.read, end))
         return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device), order
 
-    def _alone(self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool) -> RowAttention | None:
+    def _alone(
+        self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool, blocks_used: int
+    ) -> RowAttention | None:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``; ``first``: its first block when its
-        blocks lie in order) is attended alone without copying its history, if it can be: its history is all new,
-        or its blocks lie in order and it is long (or the only row); None: it is gathered with the others."""
+        blocks lie in order; ``blocks_used``: the blocks its positions fill) is attended alone without copying its
+        history, if it can be: its history is all new, or it is long (or the only row) and its blocks lie in
+        order or in a few stretches; None: it is gathered with the others."""
         start = row.kv.length
         end = start + count
         if start == 0:
             return RowAttention(slice(offset, offset + count), None, None)
-        if first is None or (not only and end < VIEW_MIN):
+        if not only and end < VIEW_MIN:
             return None
         size = self.cache.block_size
+        if first is not None:
+            spans: tuple[slice, ...] = (slice(first * size, first * size + end),)
+        else:
+            runs = stretches(row.kv.blocks, blocks_used, MAX_STRETCHES)
+            if runs is None:
+                return None
+            spans = tuple(slice(block * size, (block + blocks) * size) for block, blocks in runs)
+            last = spans[-1]
+            spans = (*spans[:-1], slice(last.start, last.stop - (blocks_used * size - end)))
         mask = None
         if count > 1:  # each new token sees the positions up to its own
             key_pos = torch.arange(end, device=self.device)
             mask = (key_pos[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
-        return RowAttention(slice(offset, offset + count), slice(first * size, first * size + end), mask)
+        return RowAttention(slice(offset, offset + count), spans, mask)
 
     def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
         """The attention of ``rows`` (whose ``counts`` packed tokens start at ``offsets``); ``whole``: they are

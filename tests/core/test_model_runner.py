@@ -27,6 +27,8 @@ def test_packed_passes_match_the_models_own_logits(
     """Rows attended over views of their blocks (every row here, with room kept after each) and rows copied
     into a batch (none here) give the model's own logits; so do prefills over the pass's own keys."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
+    if not in_place:  # a last row alone would otherwise be read over views of its stretches
+        monkeypatch.setattr(model_runner, "MAX_STRETCHES", 1)
     alone = []
     original = ModelRunner._alone
     monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: alone.append(original(self, *a, **k)) or alone[-1])
@@ -52,8 +54,8 @@ def test_packed_passes_match_the_models_own_logits(
             got = out.rows(r)
             assert torch.allclose(got, want[i][target - got.shape[0] : target], atol=1e-4)
     assert all(kv.length == len(tokens) for kv, tokens in zip(kvs, seqs, strict=True))
-    fresh = sum(1 for unit in alone if unit is not None and unit.span is None)
-    views = sum(1 for unit in alone if unit is not None and unit.span is not None)
+    fresh = sum(1 for unit in alone if unit is not None and unit.spans is None)
+    views = sum(1 for unit in alone if unit is not None and unit.spans is not None)
     assert fresh == len(seqs)  # the first pass: no history to read
     assert views == (len(alone) - fresh if in_place else 0) and (views > 20 or not in_place)
     # the model still runs outside the engine (its attention falls back to SDPA)
@@ -114,3 +116,46 @@ def test_a_row_must_feed_what_it_reads(llama_pair: ModelPair) -> None:
     runner.cache.reserve(kv, 2)
     out = runner.execute([PassRow(kv, [5, 6], read=3)])
     assert "reads 3 positions but feeds 2" in str(out.failures[0])
+
+
+def test_stretches_of_a_block_table() -> None:
+    """A table's blocks in order are one stretch; out of order, each run of consecutive blocks is one, and a
+    table in more pieces than the limit has none (it is copied instead)."""
+    assert model_runner.stretches([5, 6, 7, 9], 3) == [(5, 3)]
+    assert model_runner.stretches([5, 6, 2, 3, 9], 5) == [(5, 2), (2, 2), (9, 1)]
+    assert model_runner.stretches([4, 3, 2, 1], 4, limit=3) is None
+    assert model_runner.stretches([4, 3, 2, 1], 4, limit=4) == [(4, 1), (3, 1), (2, 1), (1, 1)]
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("limit", [8, 2], ids=["views-of-stretches", "too-many-pieces"])
+def test_a_row_in_stretches_is_read_in_place(pair: ModelPair, limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row whose blocks lie in several stretches (as a prompt that took cached blocks does) is attended over a
+    view of each, with no copy, and gives the model's own logits, one token at a time and three at a time; in
+    more pieces than the limit it is copied and gives the same."""
+    monkeypatch.setattr(model_runner, "MAX_STRETCHES", limit)
+    units: list = []
+    original = ModelRunner._alone
+    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
+    runner = _runner(pair)
+    holder = SequenceKV()
+    runner.cache.reserve(holder, 48)  # 12 blocks of 4, then handed out in three stretches
+    held = holder.blocks
+    blocks = held[8:12] + held[0:3] + held[6:8] + held[3:6]  # positions 0-15, 16-27, 28-35, 36-47
+    tokens = torch.randint(4, pair.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = runner.model(input_ids=torch.tensor([tokens])).logits[0, :, : pair.vocab_size].float()
+    kv = SequenceKV(blocks=list(blocks))
+    runner.execute([PassRow(kv, tokens[:12])])
+    end = 12
+    ends = []
+    while end < len(tokens):
+        step = 1 if end < 26 else 3
+        end = min(len(tokens), end + step)
+        ends.append(end)
+        got = runner.execute([PassRow(kv, tokens[:end], read=end - kv.length)]).rows(0)
+        assert torch.allclose(got, want[end - got.shape[0] : end], atol=1e-4)
+    assert units[0].spans is None  # the prefill attends over its own keys
+    pieces = [1 if e <= 16 else 2 if e <= 28 else 3 if e <= 36 else 4 for e in ends]
+    assert max(pieces) == 4
+    # every later pass over a view of each stretch, or, in more pieces than the limit, copied as before
+    assert [None if u is None else len(u.spans) for u in units[1:]] == [p if p <= limit else None for p in pieces]
