@@ -35,6 +35,9 @@ _WHERE = {
     "Role": "ead_llm.core.types",
     "TokenEvent": "ead_llm.core.types",
     "EAD": "ead_llm.policies.switching",
+    "PolicyOptimizer": "ead_llm.optimize.policy_optimizer",
+    "PolicySearchReport": "ead_llm.optimize.policy_optimizer",
+    "apply_policies": "ead_llm.optimize.policy_optimizer",
     "LargeOnly": "ead_llm.policies.base",
     "Policy": "ead_llm.policies.base",
     "SmallOnly": "ead_llm.policies.base",
@@ -44,6 +47,7 @@ _WHERE = {
     "FixedBlockSwitching": "ead_llm.policies.controls",
     "OracleSwitching": "ead_llm.policies.controls",
     "RandomSwitching": "ead_llm.policies.controls",
+    "QueryRouter": "ead_llm.policies.controls",
 }
 
 __all__ = [
@@ -67,7 +71,10 @@ __all__ = [
     "ModelPair",
     "OracleSwitching",
     "Policy",
+    "PolicyOptimizer",
+    "PolicySearchReport",
     "Pricing",
+    "QueryRouter",
     "RandomSwitching",
     "Request",
     "Role",
@@ -76,6 +83,7 @@ __all__ = [
     "SpeculativeDecoding",
     "StrictJSONAdapter",
     "TokenEvent",
+    "apply_policies",
     "load_pair",
     "track_cost",
 ]
@@ -106,8 +114,9 @@ if TYPE_CHECKING:
     from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
     from ead_llm.core.request import Completion, Request, SamplingParams
     from ead_llm.core.types import FinishReason, Role, TokenEvent
+    from ead_llm.optimize.policy_optimizer import PolicyOptimizer, PolicySearchReport, apply_policies
     from ead_llm.policies.base import LargeOnly, Policy, SmallOnly
-    from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
+    from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, QueryRouter, RandomSwitching
     from ead_llm.policies.eager import EAGER
     from ead_llm.policies.speculative import EASD, SpeculativeDecoding
     from ead_llm.policies.switching import EAD

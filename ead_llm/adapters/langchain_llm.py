@@ -296,7 +296,9 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
 
     def update_history(self, entry: dict[str, Any]) -> None:
         """Add the call's cost dict as ``entry["ead_cost"]`` (and USD as DSPy's ``cost``) before recording; a
-        cache hit's is a zero bill with ``cache_hit`` (as DSPy's own ``usage`` is empty then)."""
+        cache hit's is a zero bill with ``cache_hit`` (as DSPy's own ``usage`` is empty then), and the stored
+        answer's own bill is kept as ``entry["ead_stored_cost"]`` (what it would cost to compute, which
+        :class:`~ead_llm.optimize.PolicyOptimizer` prices a configuration by)."""
         responses = entry.get("response")
         costs = []
         for response in responses if isinstance(responses, (list, tuple)) else [responses]:
@@ -308,6 +310,7 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
         if costs:
             total = Cost.total(costs, wall_time_s=sum(c.wall_time_s for c in costs)).to_dict()
             if answered_from_cache():  # DSPy's stored response: its work is not done, nor billed, again
+                entry["ead_stored_cost"] = total
                 total = cache_hit_bill(total)
             entry["ead_cost"] = total
             if entry.get("cost") is None and "cost_usd" in total:

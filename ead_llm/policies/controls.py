@@ -1,4 +1,4 @@
-"""Control policies for evaluating EAD: switching that ignores the text.
+"""Control policies for evaluating EAD: switching that ignores the text, and a per-call router.
 
 - :class:`RandomSwitching`: the sequence is cut into blocks of ``block`` tokens (EAD's
   ``min_dwell`` in the harness); each block goes to the large model with probability
@@ -9,6 +9,9 @@
 - :class:`FixedBlockSwitching`: a fixed rhythm, ``large_block`` large tokens after every
   ``small_block`` small ones.
 - :class:`OracleSwitching`: the large model exactly where the two models' top-1 tokens differ.
+- :class:`QueryRouter`: a router in the manner of RouteLLM and FrugalGPT, one model per call: the small
+  model writes the first ``probe`` tokens, and their mean entropy sends the rest of the call to the large
+  model or keeps it on the small one (the anchor a per-token or per-predictor policy must beat).
 
 They answer "is EAD's choice of *where* to spend the large model better than chance at the same
 budget?"; they are policies like any other and run on the same engine.
@@ -24,6 +27,7 @@ from ead_llm.core.policy import Policy
 from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
 from ead_llm.policies.speculative import SpeculativeDecoding
+from ead_llm.policies.switching import ead_target
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,44 @@ class OracleSwitching(SpeculativeDecoding):
 
     def rejection_settings(self) -> dict[str, Any]:
         return {"oracle": True}
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Tokens generated, the probe's summed entropy (bits), and the route once the probe is done."""
+
+    generated: int = 0
+    entropy: float = 0.0
+    route: Role | None = None
+
+
+@dataclass(frozen=True)
+class QueryRouter(Policy):
+    """One model per call, chosen by the entropy of its first tokens: the small model writes ``probe`` tokens;
+    when their mean entropy exceeds ``threshold`` bits the large model writes the rest, else the small one.
+    (The probe's tokens stay: a call routed to the large model is the small model's first ``probe`` tokens
+    and the large model's continuation.)"""
+
+    name: ClassVar[str] = "query_router"
+
+    threshold: float = 0.5
+    """Mean entropy (bits) of the probe above which the call goes to the large model (>= 0)."""
+    probe: int = 8
+    """Tokens the small model writes before the call is routed (>= 1)."""
+
+    def __post_init__(self) -> None:
+        check_float("threshold", self.threshold, minimum=0.0, allow_inf=True)
+        check_int("probe", self.probe, minimum=1)
+
+    def start(self) -> RouterState:
+        return RouterState()
+
+    def choose(self, state: RouterState) -> Role:
+        return Role.SMALL if state.route is None else state.route
+
+    def advance(self, state: RouterState, role: Role, entropy: float) -> RouterState:
+        if state.route is not None:
+            return replace(state, generated=state.generated + 1)
+        generated, total = state.generated + 1, state.entropy + entropy
+        route = ead_target(total / generated, self.threshold) if generated == self.probe else None
+        return RouterState(generated=generated, entropy=total, route=route)

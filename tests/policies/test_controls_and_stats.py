@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -127,3 +129,42 @@ def _check_oracle(engine: Engine, prompts: list[str], params: SamplingParams) ->
     with pytest.raises(ValueError, match="gamma must be 1"):
         OracleSwitching(gamma=2)
     return [c.cost.large_fraction for c in oracle]
+
+
+def test_query_router_routes_the_whole_call_after_its_probe() -> None:
+    """The small model writes the probe; the probe's mean entropy, strictly above the threshold, sends every
+    later token to the large model, else every later one stays small; nothing after the probe changes it."""
+    from ead_llm.policies.controls import QueryRouter
+
+    def roles(policy: QueryRouter, entropies: list[float]) -> str:
+        state, out = policy.start(), []
+        for entropy in entropies:
+            role = policy.choose(state)
+            out.append("L" if role is Role.LARGE else "S")
+            state = policy.advance(state, role, entropy)
+        return "".join(out)
+
+    router = QueryRouter(threshold=1.0, probe=3)
+    assert roles(router, [2.0, 1.0, 0.5, 0, 0, 0]) == "SSSLLL"  # mean 7/6 > 1
+    assert roles(router, [1.0, 1.0, 1.0, 9, 9, 9]) == "SSSSSS"  # mean 1 is not above 1; later entropy is ignored
+    assert roles(QueryRouter(threshold=math.inf, probe=1), [50.0] * 4) == "SSSS"
+    assert policy_from_description(describe_policy(router)) == router
+    for bad, match in (({"threshold": -1}, "threshold"), ({"probe": 0}, "probe")):
+        with pytest.raises(ValueError, match=match):
+            QueryRouter(**bad)
+
+
+def test_query_router_on_the_engine_with_engineered_entropies() -> None:
+    """On a scripted pair whose small model is unsure (uniform) or sure (peaked), the call goes to the large
+    model after the probe, or stays on the small one, as a whole."""
+    from ead_llm.policies.controls import QueryRouter
+    from tests.scripted import peaked, scripted_pair
+
+    for sharpness, want in ((0.0, "S" * 4 + "L" * 8), (30.0, "S" * 12)):
+        pair, _, _ = scripted_pair(lambda p, s, k=sharpness: peaked(40, 7, k), lambda p, s: peaked(40, 9, 30.0))
+        engine = Engine(pair)
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+        (done,) = engine.generate([Request([5, 6], QueryRouter(threshold=1.0, probe=4), params)])
+        assert "".join("L" if r is Role.LARGE else "S" for r in done.roles) == want
+        assert done.cost.switches == (1 if "L" in want else 0)
+        engine.close()
