@@ -27,7 +27,6 @@ import logging
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, ClassVar, Literal
@@ -41,7 +40,7 @@ from langchain_core.language_models import LangSmithParams
 from langchain_core.language_models.llms import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from langchain_core.runnables import RunnableConfig
-from langchain_core.runnables.config import get_config_list
+from langchain_core.runnables.config import ContextThreadPoolExecutor, get_config_list
 from pydantic import ConfigDict, PrivateAttr
 
 from ead_llm.accounting.ledger import Cost, Pricing, cache_hit_bill
@@ -410,7 +409,9 @@ class EntropyAdaptiveLLM(PairModel, BaseLLM, dspy.LM):
             except Exception as exc:
                 return exc
 
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ead-llm-batch") as pool:
+        # each run in a copy of the caller's context, as LangChain's own batch does: track_cost() blocks and
+        # tracing see the runs
+        with ContextThreadPoolExecutor(max_workers=workers, thread_name_prefix="ead-llm-batch") as pool:
             return list(pool.map(run, inputs, configs))
 
     async def abatch(

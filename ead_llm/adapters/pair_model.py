@@ -9,6 +9,7 @@ model) are thin adapters over this: they turn their framework's input into engin
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
@@ -30,8 +31,9 @@ from ead_llm.core.request import Completion, Prompt, Request, SamplingParams
 from ead_llm.core.types import FinishReason, TokenEvent
 from ead_llm.core.validation import check_float, check_int, check_stop
 from ead_llm.embedded import embedded_pair, recommended_policy
+from ead_llm.optimize.calibrate import stored_policy
 from ead_llm.policies.base import Policy, check_policy, describe_policy, policy_from_description
-from ead_llm.policies.switching import EAD
+from ead_llm.policies.speculative import SpeculativeDecoding
 
 CALL_OPTIONS = (
     "policy",
@@ -76,6 +78,23 @@ DESCRIPTION_KEYS = frozenset({"_type", "ead_llm_version"})
 """Keys of ``asdict()`` that are not constructor arguments."""
 
 
+logger = logging.getLogger(__name__)
+_TOLD: set[tuple[str, str]] = set()
+
+
+def _uncalibrated(small: str, large: str) -> Policy:
+    """The policy of a pair with no calibration (said once per pair and process)."""
+    if (small, large) not in _TOLD:
+        _TOLD.add((small, large))
+        logger.warning(
+            "no calibrated EAD threshold for %s + %s: decoding with SpeculativeDecoding() (LargeOnly's text); "
+            "ead_llm.calibrate(llm, examples) chooses and stores one",
+            small,
+            large,
+        )
+    return SpeculativeDecoding()
+
+
 class PairModel(LoadOptions):
     """Which pair to run and how to decode; shared by the LangChain and DSPy adapters. How the pair is loaded
     (``device``, ``dtype``, ``revision``...) are :class:`~ead_llm.core.loading.LoadOptions`' fields."""
@@ -87,8 +106,9 @@ class PairModel(LoadOptions):
     large: str | None = None
     """Hugging Face id or local folder of the large model (None: the embedded pair)."""
     policy: Policy | None = None
-    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: EAD with its defaults, and
-    on the embedded pair the EAD settings chosen for it on the task's dev split (``recommended_policy()``)."""
+    """Which model speaks when: EAD(...), SmallOnly(), LargeOnly(). None: on the embedded pair the EAD settings
+    chosen for it on the task's dev split (``recommended_policy()``); on another pair the policy
+    ``ead_llm.calibrate`` stored for it, else SpeculativeDecoding() (greedy, its text is LargeOnly's)."""
     temperature: float = 0.0
     """0 is greedy."""
     top_p: float = 1.0
@@ -200,7 +220,7 @@ class PairModel(LoadOptions):
         if self.prefix_caching is not None:
             self._engine.prefix_caching = self.prefix_caching
         if self.policy is None:
-            self.policy = EAD()
+            self.policy = stored_policy(small, large) or _uncalibrated(small, large)
 
     @property
     def shared_engine(self) -> Engine:

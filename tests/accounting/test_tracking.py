@@ -59,8 +59,9 @@ def test_threads_batches_and_streams_are_counted(llm: EntropyAdaptiveLLM) -> Non
         for worker in workers:
             worker.join()
         "".join(llm.stream("9+9="))
-    assert tracker.calls == 3 + 3 + 1  # three batches of two, three threads, one stream
-    expected = sum(_cost(llm, p)["completion_tokens"] for p in prompts + prompts[:3] + ["9+9="])
+        llm.batch(prompts[:4], config={"max_concurrency": 2}, return_exceptions=True)  # a run per input, its threads
+    assert tracker.calls == 3 + 3 + 1 + 4  # three batches of two, three threads, one stream, four runs
+    expected = sum(_cost(llm, p)["completion_tokens"] for p in prompts + prompts[:3] + ["9+9="] + prompts[:4])
     assert tracker.completion_tokens == expected
 
 

@@ -130,7 +130,7 @@ def test_bound_settings_survive_bind_tools_structured_output_and_unwrapping(chat
     assert bound.bound.policy == LargeOnly() and bound.bound.max_tokens == 50  # type: ignore[attr-defined]
     raw = bound.with_structured_output(Add, method="function_calling", include_raw=True).invoke("1 + 2?")
     assert _policy(raw["raw"]) == "large_only"
-    assert _policy(chat.invoke("hi")) == "ead"  # the model itself is unchanged
+    assert _policy(chat.invoke("hi")) == "speculative"  # the model itself is unchanged (uncalibrated pair)
     assert bound.bind(policy=SmallOnly()).bound.policy == SmallOnly()  # type: ignore[attr-defined]
     with pytest.raises(ValueError, match="policy"):
         chat.bind(policy="fast").invoke("hi")  # refused at the call, where callbacks see it
