@@ -32,6 +32,13 @@ def test_dspy_optimize(tmp_path: Path) -> None:
     assert "answer: 7160" in out and "dev accuracy:" in out and "'large_tokens'" in out
 
 
+def test_dspy_policy_optimizer(tmp_path: Path) -> None:
+    out = run_example("dspy_policy_optimizer.py", tmp_path)
+    assert "metric: LargeOnly" in out and "  easy: " in out and "  hard: " in out and "search: " in out
+    lines = [line for line in out.splitlines() if line.startswith("held out, ")]
+    assert len(lines) == 2 and "LargeOnly" in lines[0] and "optimised" in lines[1]
+
+
 def test_cost_tracking(tmp_path: Path) -> None:
     out = run_example("cost_tracking.py", tmp_path)
     lines = [line for line in out.splitlines() if " calls " in line]
@@ -41,7 +48,8 @@ def test_cost_tracking(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
 def test_every_example_is_covered(name: str) -> None:
-    assert name in {"langchain_quickstart.py", "dspy_optimize.py", "cost_tracking.py", "agent_tools.py"}
+    covered = {"langchain_quickstart.py", "dspy_optimize.py", "dspy_policy_optimizer.py", "cost_tracking.py"}
+    assert name in covered | {"agent_tools.py"}
 
 
 @pytest.mark.real_model

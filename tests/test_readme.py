@@ -20,6 +20,7 @@ EXPECTED = {
     'llm.invoke("4821+3907-1568\\n")': ["#### 7160", "'#### 5913', '#### 5555'"],
     'dspy.Predict("problem -> answer: int")': ["7160"],
     "ead-llm serve --port 8000": ['"text":', "#### 7160", '"large_fraction"'],
+    "PolicyOptimizer(share_right": ["metric: LargeOnly", "  easy: ", "  hard: ", "search: "],
 }
 """What each runnable block must print, keyed by a line it holds: a new block needs an entry."""
 

@@ -259,6 +259,11 @@ class _Search:
         current: dict[str, Policy] = dict.fromkeys(names, LargeOnly())
         baseline = self._evaluate(current, "", None, None)
         assert baseline.score is not None
+        if baseline.score == 0:
+            raise ValueError(
+                "with every predictor on LargeOnly the program scored 0 on every example (a failing adapter or "
+                "metric?): there is no quality to keep; check the program on one example first"
+            )
         floor = floor_of(baseline.score, self.owner.max_drop)
         costs = dict(self._last_costs)
         large_only = dict(costs)

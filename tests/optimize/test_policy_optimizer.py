@@ -163,5 +163,9 @@ def test_bad_settings_and_programs_are_refused(configured: EntropyAdaptiveLLM) -
         PolicyOptimizer(lambda e, p, t=None: 5, candidates=[SmallOnly()]).compile(
             EasyAndHard(), trainset=examples("train", 2)
         )
+    with pytest.raises(ValueError, match="scored 0 on every example"):
+        PolicyOptimizer(lambda e, p, t=None: False, candidates=[SmallOnly()]).compile(
+            EasyAndHard(), trainset=examples("train", 2)
+        )
     with pytest.raises(ValueError, match="no predictor named"):
         apply_policies(EasyAndHard(), {"medium": SmallOnly()})
