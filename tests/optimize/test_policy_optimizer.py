@@ -9,6 +9,7 @@ from typing import Any
 
 import dspy
 import pytest
+from dspy.utils.dummies import DummyLM
 
 from ead_llm import EAD, CompletionAdapter, EntropyAdaptiveLLM, LargeOnly, PolicyOptimizer, SmallOnly, apply_policies
 from ead_llm.optimize.search import cannot_reach, check_score, price, sum_bills
@@ -65,7 +66,8 @@ class PolicyAware(EasyAndHard):
 
     def forward(self, easy: str, hard: str) -> dspy.Prediction:
         prediction = super().forward(easy, hard)
-        prediction.hard_policy = self.hard.lm.policy.name
+        prediction.hard_policy = (self.hard.lm or dspy.settings.lm).policy.name  # no LM set: the configured one
+        prediction.hard_instructions = self.hard.signature.instructions
         return prediction
 
 
@@ -137,6 +139,50 @@ def test_it_composes_with_bootstrap_few_shot(configured: EntropyAdaptiveLLM) -> 
     after = bootstrap.compile(policies_first, trainset=trainset)
     assert after.easy.lm is None  # BootstrapFewShot's reset_copy
     policies_first.policy_report.apply(after)
+    assert after.easy.lm.policy == SmallOnly() and after.hard.lm.policy == LargeOnly()
+
+
+class PlainAnswers:
+    """Formats DummyLM's scripted answers as the embedded pair's adapter reads them (``#### value``)."""
+
+    def format_field_with_value(self, fields: dict[Any, Any]) -> str:
+        return "\n".join(f"#### {value}" for value in fields.values())
+
+
+def test_it_composes_with_mipro_v2(configured: EntropyAdaptiveLLM) -> None:
+    """MIPROv2 (instructions proposed by a scripted prompt model, no demos) before PolicyOptimizer: its instructions
+    stay and the policies are set; after it: MIPROv2 copies the program without resetting LMs, so the policies stay."""
+    trainset = examples("train", 4, seed=13)
+    proposed = "Add and subtract in order."
+    prompt_model = DummyLM([{"proposed_instruction": proposed}] * 40, adapter=PlainAnswers())
+    mipro = dspy.MIPROv2(
+        lambda example, prediction, trace=None: prediction.hard_instructions == proposed,  # engineered to win
+        prompt_model=prompt_model,
+        auto=None,
+        num_candidates=2,
+        num_threads=2,
+        max_bootstrapped_demos=0,
+        max_labeled_demos=0,
+    )
+    settings: dict[str, Any] = {
+        "trainset": trainset,
+        "valset": trainset,
+        "num_trials": 6,
+        "minibatch": False,
+        "data_aware_proposer": False,
+        "program_aware_proposer": False,
+        "tip_aware_proposer": False,
+        "fewshot_aware_proposer": False,
+    }
+    instructed = mipro.compile(PolicyAware(), **settings)
+    instructions = [p.signature.instructions for _, p in instructed.named_predictors()]
+    assert instructed.hard.signature.instructions == proposed
+    optimiser = PolicyOptimizer(hard_must_not_be_small, candidates=[SmallOnly()], num_threads=2)
+    both = optimiser.compile(instructed, trainset=trainset)
+    assert [p.signature.instructions for _, p in both.named_predictors()] == instructions
+    assert both.easy.lm.policy == SmallOnly() and both.hard.lm.policy == LargeOnly()
+
+    after = mipro.compile(optimiser.compile(PolicyAware(), trainset=trainset), **settings)
     assert after.easy.lm.policy == SmallOnly() and after.hard.lm.policy == LargeOnly()
 
 
