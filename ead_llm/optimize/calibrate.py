@@ -79,6 +79,28 @@ class Calibration:
         """The chosen policy as an object."""
         return None if self.policy is None else policy_from_description(self.policy)
 
+    def table(self) -> str:
+        """The calibration as lines of text: every candidate run, then the choice."""
+        lines = [f"LargeOnly: {self.large_only_tokens} large tokens on {self.examples} examples"]
+        for run in self.runs:
+            p = run.policy
+            setting = "lookahead" if p.get("lookahead") else f"window {p.get('window')}, dwell {p.get('min_dwell')}"
+            quality = "stopped (target out of reach)" if run.quality is None else f"{self.by} {run.quality:.3f}"
+            lines.append(
+                f"  EAD {p.get('threshold')} bits, {setting}: {quality}, {run.large_tokens} large tokens "
+                f"({run.examples} examples)"
+            )
+        if self.policy is None:
+            lines.append(f"no setting reached {self.by} {self.target}: nothing stored")
+        else:
+            share = self.large_tokens / self.large_only_tokens if self.large_only_tokens else 0.0
+            lines.append(
+                f"chosen: {self.chosen!r}, {self.by} {self.quality:.3f} at {share:.1%} of LargeOnly's large tokens"
+                + (f"; stored in {self.path}" if self.path else "")
+            )
+        lines.append(f"search: {self.search_cost.get('large_tokens', 0)} large tokens, {self.wall_time_s:.1f} s")
+        return "\n".join(lines)
+
 
 def calibration_dir() -> Path:
     """Where calibrations are stored."""
@@ -234,9 +256,22 @@ def calibrate(
     return result
 
 
+def comparable(output: Any) -> Any:
+    """What agreement compares: a chat message's content and tool calls (its ids and usage differ every call),
+    any other output as it is."""
+    from langchain_core.messages import BaseMessage
+
+    if isinstance(output, BaseMessage):
+        calls = [(c["name"], c["args"]) for c in getattr(output, "tool_calls", None) or []]
+        return output.content, calls
+    return output
+
+
 def _scorer(by: str | Metric, examples: list[Any], reference: list[Any]) -> Callable[[int, Any], float]:
     if by == "agreement":
-        return lambda i, output: float(not isinstance(output, BaseException) and output == reference[i])
+        return lambda i, output: float(
+            not isinstance(output, BaseException) and comparable(output) == comparable(reference[i])
+        )
     metric = by
     assert callable(metric)
     return lambda i, output: 0.0 if isinstance(output, BaseException) else check_score(metric(examples[i], output))

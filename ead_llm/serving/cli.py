@@ -440,6 +440,61 @@ def cmd_distill(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a file: a ``.jsonl`` file's ``prompt`` fields (a bench task), else one prompt per non-empty
+    line."""
+    from pathlib import Path
+
+    text = Path(path).read_text()
+    if not path.endswith(".jsonl"):
+        prompts = [line for line in text.splitlines() if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise ValueError(f"{path}:{number} is not JSON ({err}): each line is an object with a prompt") from err
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{number} has no string 'prompt' field")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts: one per line, or JSON lines with a 'prompt' field")
+    return prompts
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ead_llm.adapters.langchain_chat import ChatEntropyAdaptive
+    from ead_llm.adapters.langchain_llm import EntropyAdaptiveLLM
+    from ead_llm.optimize.calibrate import THRESHOLDS, calibrate
+    from ead_llm.policies.base import LargeOnly
+
+    prompts = read_prompts(args.prompts)
+    kind = ChatEntropyAdaptive if args.chat else EntropyAdaptiveLLM
+    model = kind(
+        small=args.small,
+        large=args.large,
+        policy=LargeOnly(),  # calibrate sets each candidate's policy
+        max_tokens=args.max_tokens,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    lookahead = (True, False) if args.lookahead is None else (args.lookahead,)
+    result = calibrate(
+        model,
+        prompts,
+        target=args.target,
+        thresholds=args.thresholds or THRESHOLDS,
+        lookahead=lookahead,
+        store=not args.no_store,
+        max_concurrency=args.concurrency,
+    )
+    print(result.table())
+    return 0 if result.reached else 1
+
+
 def _escape(text: str) -> str:
     from rich.markup import escape
 
@@ -507,6 +562,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(distill)
     distill.set_defaults(func=cmd_distill)
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="choose a pair's EAD threshold from prompts and store it (used when the pair is given no policy)",
+        description="Run the prompts on LargeOnly, then on EAD at falling thresholds (with lookahead and as "
+        "published), greedy; keep the cheapest setting whose text equals LargeOnly's on --target of the prompts.",
+    )
+    calibrate.add_argument("prompts", help="file of prompts: one per line, or JSON lines with a 'prompt' field")
+    _add_models(calibrate)
+    calibrate.add_argument("--chat", action="store_true", help="send each prompt as a chat message (instruct models)")
+    calibrate.add_argument("--target", type=float, default=0.95, help="share of prompts agreeing with LargeOnly")
+    calibrate.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        default=None,
+        help="EAD thresholds in bits to try (default 0.8 0.4 0.2 0.1 0.05 0.025 0.0125)",
+    )
+    calibrate.add_argument(
+        "--lookahead",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="try only EAD with lookahead (--lookahead) or only as published (--no-lookahead) (default: both)",
+    )
+    calibrate.add_argument("--max-tokens", type=int, default=128, help="most tokens per answer")
+    calibrate.add_argument("--concurrency", type=int, default=4, help="prompts decoded at once")
+    calibrate.add_argument("--no-store", action="store_true", help="print the choice without storing it")
+    calibrate.set_defaults(func=cmd_calibrate)
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -732,6 +814,14 @@ def check_args(args: argparse.Namespace) -> None:
         demo_policy(args)
         check_int("--problems", args.problems, minimum=1)
         check_int("--seed", args.seed, minimum=0)
+    elif args.command == "calibrate":
+        if small is None:
+            raise ValueError("calibrate needs --small and --large: the embedded pair is calibrated already")
+        check_float("--target", args.target, minimum=0.0, maximum=1.0)
+        check_int("--max-tokens", args.max_tokens, minimum=1)
+        check_int("--concurrency", args.concurrency, minimum=1)
+        for threshold in args.thresholds or ():
+            check_float("--thresholds", threshold, minimum=0.0, allow_inf=True)
     elif args.command == "serve":
         serve_policy(args)
         SamplingParams(max_tokens=args.max_tokens)

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+from langchain_core.messages import AIMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import PromptTemplate
 
@@ -15,7 +16,8 @@ from ead_llm import EAD, EntropyAdaptiveLLM, SpeculativeDecoding
 from ead_llm.adapters import pair_model
 from ead_llm.embedded import embedded_pair
 from ead_llm.evaluation.task import extract_answer, problems
-from ead_llm.optimize.calibrate import calibrate, pair_key, stored_policy, with_policy
+from ead_llm.optimize.calibrate import calibrate, comparable, pair_key, stored_policy, with_policy
+from ead_llm.serving.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -119,3 +121,35 @@ def test_an_unreadable_store_is_ignored(folders: tuple[str, str], calibration_di
     (calibration_dir / pair_key(small, large)).write_text("{not json")
     assert stored_policy(small, large) is None
     assert EntropyAdaptiveLLM(small=small, large=large).policy == SpeculativeDecoding()
+
+
+def test_agreement_compares_a_chat_message_by_its_text_and_tool_calls() -> None:
+    """Two calls' messages differ in ids and usage even when they say the same; agreement looks past that."""
+    call = {"name": "add", "args": {"a": 1}, "id": "call_1"}
+    first = AIMessage("7160", id="run-1", usage_metadata={"input_tokens": 3, "output_tokens": 2, "total_tokens": 5})
+    same = AIMessage("7160", id="run-2", response_metadata={"cost": {"large_tokens": 2}})
+    assert comparable(first) == comparable(same) and comparable("a") == "a"
+    assert comparable(AIMessage("", tool_calls=[call])) == comparable(AIMessage("", tool_calls=[{**call, "id": "x"}]))
+    assert comparable(AIMessage("", tool_calls=[call])) != comparable(AIMessage("", tool_calls=[{**call, "args": {}}]))
+    assert comparable(first) != comparable(AIMessage("7161"))
+
+
+def test_the_command_line(folders: tuple[str, str], calibration_dir: Path, tmp_path: Path, capsys) -> None:
+    """``ead-llm calibrate PROMPTS``: the table, the choice stored for the pair; a file with no prompts, or the
+    embedded pair, is refused in one line before anything loads."""
+    small, large = folders
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "answer": 0}) + "\n" for p in PROMPTS))
+    pair = ["--small", small, "--large", large, "--max-tokens", "160"]
+    code = main(["calibrate", str(prompts), *pair, "--target", "0.85", "--thresholds", "0.8", "0.2", "0.05"])
+    printed = capsys.readouterr().out
+    assert code == (0 if stored_policy(small, large) else 1)
+    assert printed.startswith("LargeOnly: ") and "EAD 0.8 bits, lookahead" in printed
+    assert ("stored in " in printed) == (code == 0)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    assert main(["calibrate", str(empty), *pair]) == 2
+    assert "holds no prompts" in capsys.readouterr().err
+    assert main(["calibrate", str(prompts)]) == 2
+    assert "needs --small and --large" in capsys.readouterr().err
+    assert main(["calibrate", str(prompts), *pair, "--target", "2"]) == 2
