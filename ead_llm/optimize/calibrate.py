@@ -25,7 +25,7 @@ from typing import Any
 
 from ead_llm.accounting.tracking import track_cost
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.optimize.search import cannot_reach, check_score
+from ead_llm.optimize.search import cannot_reach, check_score, policy_text
 from ead_llm.policies.base import LargeOnly, Policy, describe_policy, policy_from_description
 from ead_llm.policies.switching import EAD
 
@@ -95,8 +95,8 @@ class Calibration:
         else:
             share = self.large_tokens / self.large_only_tokens if self.large_only_tokens else 0.0
             lines.append(
-                f"chosen: {self.chosen!r}, {self.by} {self.quality:.3f} at {share:.1%} of LargeOnly's large tokens"
-                + (f"; stored in {self.path}" if self.path else "")
+                f"chosen: {policy_text(self.policy)}, {self.by} {self.quality:.3f} at {share:.1%} of LargeOnly's "
+                "large tokens" + (f"; stored in {self.path}" if self.path else "")
             )
         lines.append(f"search: {self.search_cost.get('large_tokens', 0)} large tokens, {self.wall_time_s:.1f} s")
         return "\n".join(lines)

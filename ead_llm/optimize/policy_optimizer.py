@@ -33,6 +33,7 @@ from ead_llm.optimize.search import (
     cannot_reach,
     check_score,
     floor_of,
+    policy_text,
     price,
     sum_bills,
 )
@@ -128,7 +129,7 @@ class PolicySearchReport:
         ]
         for p in self.predictors:
             lines.append(
-                f"  {p.name}: {_policy_text(p.policy)}; {p.calls} calls, large fraction {p.large_fraction:.3f}, "
+                f"  {p.name}: {policy_text(p.policy)}; {p.calls} calls, large fraction {p.large_fraction:.3f}, "
                 f"{unit} {p.cost:.4g} = {p.cost_ratio:.1%} of LargeOnly's"
             )
         lines.append(
@@ -137,12 +138,6 @@ class PolicySearchReport:
             f"{self.search_cost.get('large_tokens', 0)} large tokens, {self.wall_time_s:.1f} s"
         )
         return "\n".join(lines)
-
-
-def _policy_text(policy: dict[str, Any]) -> str:
-    name = policy.get("policy", "?")
-    settings = ", ".join(f"{k}={v}" for k, v in policy.items() if k != "policy")
-    return f"{name}({settings})"
 
 
 def apply_policies(

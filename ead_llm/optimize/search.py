@@ -57,3 +57,10 @@ def sum_bills(bills: Iterable[dict[str, Any]]) -> dict[str, float]:
     completion = out.get("completion_tokens", 0)
     out["large_fraction"] = out.get("large_tokens", 0) / completion if completion else 0.0
     return out
+
+
+def policy_text(policy: dict[str, Any]) -> str:
+    """A policy's description (``describe_policy``) as one line: ``ead(threshold=0.1, window=1, ...)``."""
+    name = policy.get("policy", "?")
+    settings = ", ".join(f"{k}={v}" for k, v in policy.items() if k != "policy")
+    return f"{name}({settings})"
