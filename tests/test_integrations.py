@@ -8,7 +8,7 @@ import dspy
 import pytest
 
 from ead_llm.evaluation.task import consistency_errors
-from integrations import dspy_program, langchain_agent, langchain_chain
+from integrations import dspy_policy_search, dspy_program, langchain_agent, langchain_chain
 
 
 @pytest.fixture(autouse=True)
@@ -45,3 +45,13 @@ def test_dspy_program_compiles_and_evaluates() -> None:
     assert result.compiled_accuracy == result.baseline_accuracy
     assert result.calls >= 2 * 8
     assert result.cost["completion_tokens"] > 0
+
+
+def test_dspy_policy_search_scores_its_choice_and_the_router_held_out() -> None:
+    result = dspy_policy_search.run(search=4, test=4, threads=4)
+    report = result.report
+    assert [p.name for p in report.predictors] == list(dspy_policy_search.PREDICTORS)
+    assert report.score >= report.floor and report.cost <= report.baseline_cost  # what the search guarantees
+    names = list(result.test)
+    assert names[:2] == ["LargeOnly", "PolicyOptimizer"] and names[2].startswith("QueryRouter(threshold=")
+    assert result.test["LargeOnly"].large_tokens > 0 and result.router.threshold in dspy_policy_search.ROUTER_THRESHOLDS
