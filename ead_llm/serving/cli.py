@@ -378,6 +378,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "prompt_format": args.prompt_format,
             "stop": tuple(args.stop) if args.stop else None,
             "repeats": args.repeats,
+            "router_probe": args.router_probe,
         }.items()
         if value is not None
     }
@@ -750,7 +751,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts as plain text or through the tokenizer's chat template (default text)",
     )
     bench.add_argument("--no-speculative", action="store_true", help="skip speculative decoding and EASD")
-    bench.add_argument("--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls")
+    bench.add_argument(
+        "--no-controls", action="store_true", help="skip the random, fixed-block and oracle controls and the router"
+    )
+    bench.add_argument(
+        "--router-probe", type=int, default=None, help="tokens the query router reads before routing a call (default 8)"
+    )
     bench.add_argument(
         "--repeats", type=int, default=None, help="timings per test run, the median counts (default 1, quick 3)"
     )
@@ -839,7 +845,8 @@ def check_args(args: argparse.Namespace) -> None:
         serve_pricing(args)
         serve_limits(args)
     elif args.command == "bench":
-        for name in ("dev", "test", "max_tokens", "batch_size", "dev_batch_size", "repeats", "eager_paths", "gamma"):
+        counts = ("dev", "test", "max_tokens", "batch_size", "dev_batch_size", "repeats", "eager_paths", "gamma")
+        for name in (*counts, "router_probe"):
             if getattr(args, name) is not None:
                 check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=1)
 

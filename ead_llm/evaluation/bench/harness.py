@@ -6,7 +6,8 @@ dev accuracy under the user's cost budget (and EAGER's best theta). On the test 
 SmallOnly, LargeOnly, every EAD variant over the thresholds (the chosen point marked),
 SpeculativeDecoding, EASD, EAGER, and the controls: random switching at each EAD point's realised
 large-token fraction (in blocks of that point's ``min_dwell``), fixed-block switching at the
-chosen point's fraction, and the oracle. Every run is greedy (EAGER samples, seeded). All test
+chosen point's fraction, the oracle, and the query router at each threshold (a whole call on one model,
+chosen by the entropy of its first tokens). Every run is greedy (EAGER samples, seeded). All test
 runs use the same batching (``batch_size``), so their wall-clock times compare; dev runs only
 feed the choice (accuracy and large fraction do not depend on batching), so they run batched.
 """
@@ -30,7 +31,7 @@ from ead_llm.evaluation.bench.tasks import BenchTask, Example
 from ead_llm.evaluation.evaluate import PolicyRun, run_policy
 from ead_llm.evaluation.stats import mcnemar_exact, wilson_interval
 from ead_llm.policies.base import LargeOnly, Policy, SmallOnly
-from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, RandomSwitching
+from ead_llm.policies.controls import FixedBlockSwitching, OracleSwitching, QueryRouter, RandomSwitching
 from ead_llm.policies.eager import EAGER
 from ead_llm.policies.speculative import EASD, SpeculativeDecoding
 from ead_llm.policies.switching import EAD
@@ -132,7 +133,10 @@ class BenchConfig:
     speculative: bool = True
     """Run SpeculativeDecoding and EASD."""
     controls: bool = True
-    """Run the random, fixed-block and oracle controls."""
+    """Run the random, fixed-block and oracle controls, and the query router."""
+    router_probe: int = 8
+    """The query router's probe (tokens the small model writes before a call is routed by their mean entropy),
+    run at each of ``thresholds`` among the controls: the per-call anchor to EAD's per-token switching."""
 
     def __post_init__(self) -> None:
         if not self.thresholds:
@@ -154,6 +158,7 @@ class BenchConfig:
         check_int("dev_batch_size", self.dev_batch_size, minimum=1)
         check_int("seed", self.seed, minimum=0)
         check_int("repeats", self.repeats, minimum=1)
+        check_int("router_probe", self.router_probe, minimum=1)
         check_float("spread_warning", self.spread_warning, minimum=0.0)
         if self.prompt_format not in ("text", "chat"):
             raise ValueError(f"prompt_format must be 'text' or 'chat', got {self.prompt_format!r}")
@@ -445,7 +450,7 @@ def planned_problems(task: BenchTask, config: BenchConfig) -> int:
     dev_runs = points + len(config.eager_thetas)
     test_runs = 2 + points + (2 if config.speculative else 0) + (1 if config.eager_thetas else 0)
     if config.controls:
-        test_runs += points + 2
+        test_runs += points + 2 + len(config.thresholds)  # random per point, fixed, oracle, router per threshold
     return dev_runs * len(task.dev) + test_runs * len(task.test) * config.repeats
 
 
@@ -565,7 +570,8 @@ def _dev_choices(runner: _Runner, report: BenchReport) -> tuple[tuple[EADVariant
 
 
 def _controls(runner: _Runner, test_ead: list[BenchRun]) -> list[BenchRun]:
-    """Random switching matched to each EAD point, fixed blocks matched to the chosen one, the oracle."""
+    """Random switching matched to each EAD point, fixed blocks matched to the chosen one, the oracle, and the
+    query router at each threshold."""
     config = runner.config
     runs = []
     for ead_run in test_ead:
@@ -579,6 +585,9 @@ def _controls(runner: _Runner, test_ead: list[BenchRun]) -> list[BenchRun]:
     label = f"Fixed {fixed.small_block}S/{fixed.large_block}L"
     runs.append(runner.run(label, "control", fixed, "test", matched_to=chosen.label, target_fraction=fraction))
     runs.append(runner.run("Oracle", "control", OracleSwitching(), "test"))
+    for threshold in config.thresholds:
+        router = QueryRouter(threshold=threshold, probe=config.router_probe)
+        runs.append(runner.run(f"Router tau={threshold:g} probe {router.probe}", "control", router, "test"))
     return runs
 
 

@@ -21,6 +21,7 @@ STYLE: dict[str, dict[str, Any]] = {
     "random_switching": {"marker": "x", "color": "tab:red", "label": "random switching (matched fraction)"},
     "fixed_block": {"marker": "s", "color": "tab:orange", "label": "fixed-block switching"},
     "oracle": {"marker": "D", "color": "tab:green", "label": "oracle (top-1 disagreements)"},
+    "query_router": {"marker": "*", "color": "gold", "label": "query router (first tokens' entropy)"},
     "speculative": {"marker": "^", "color": "tab:purple", "label": "speculative decoding"},
     "easd": {"marker": "v", "color": "tab:pink", "label": "EASD"},
     "eager": {"marker": "P", "color": "tab:brown", "label": "EAGER"},
