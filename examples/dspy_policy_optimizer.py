@@ -1,7 +1,7 @@
 """DSPy: PolicyOptimizer gives each predictor of a program its own decoding policy, the cheapest that keeps the
 program's metric within max_drop of LargeOnly's, then the choice is checked on held-out problems.
 
-Needs nothing beyond ead-llm: runs offline on the embedded pair (about a minute on two cores)."""
+Needs nothing beyond ead-llm: runs offline on the embedded pair (about half a minute on two cores)."""
 
 import dspy
 
@@ -38,11 +38,11 @@ def examples(split, n):
 dspy.configure_cache(enable_disk_cache=False)  # the search's bill is its own, not an earlier run's
 lm = EntropyAdaptiveLLM(max_tokens=400)
 dspy.configure(lm=lm, adapter=CompletionAdapter(max_demos=0))
-program = PolicyOptimizer(share_right, max_drop=0.02).compile(TwoSolvers(), trainset=examples("train", 24))
+program = PolicyOptimizer(share_right, max_drop=0.02).compile(TwoSolvers(), trainset=examples("train", 16))
 report = program.policy_report
 print(report.table())
 
-held_out = examples("test", 30)
+held_out = examples("test", 16)
 evaluate = dspy.Evaluate(devset=held_out, metric=share_right, num_threads=8, max_errors=100)
 fresh = lm.copy(cache=False)  # held out: every call computed and billed
 for name, policies in (("LargeOnly", {"easy": LargeOnly(), "hard": LargeOnly()}), ("optimised", report.policies)):

@@ -47,6 +47,7 @@ def test_dspy_program_compiles_and_evaluates() -> None:
     assert result.cost["completion_tokens"] > 0
 
 
+@pytest.mark.slow  # 30 s; examples/dspy_policy_optimizer.py runs the same search in the default suite
 def test_dspy_policy_search_scores_its_choice_and_the_router_held_out() -> None:
     result = dspy_policy_search.run(search=4, test=4, threads=4)
     report = result.report
