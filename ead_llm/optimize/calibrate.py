@@ -25,22 +25,13 @@ from typing import Any
 
 from ead_llm.accounting.tracking import track_cost
 from ead_llm.core.validation import check_float, check_int
-from ead_llm.optimize.search import cannot_reach, check_score, policy_text
+from ead_llm.optimize.search import candidate, cannot_reach, check_score, policy_text
 from ead_llm.policies.base import LargeOnly, Policy, describe_policy, policy_from_description
-from ead_llm.policies.switching import EAD
 
 THRESHOLDS = (0.8, 0.4, 0.2, 0.1, 0.05, 0.025, 0.0125)
 """Default EAD thresholds (bits) tried, highest (cheapest) first."""
 
 Metric = Callable[[Any, Any], Any]
-
-
-def candidate(threshold: float, *, lookahead: bool) -> EAD:
-    """EAD with lookahead (window 1, dwell 1: the large model writes exactly the tokens the small one is unsure
-    of) or as published (window 5, dwell 10), at ``threshold``."""
-    if lookahead:
-        return EAD(threshold=threshold, window=1, min_dwell=1, lookahead=True)
-    return EAD(threshold=threshold)
 
 
 @dataclass(frozen=True)

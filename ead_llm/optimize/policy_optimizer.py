@@ -30,6 +30,7 @@ from ead_llm.core.validation import check_float, check_int
 from ead_llm.optimize.search import (
     COST_KEYS,
     CostUnit,
+    candidate,
     cannot_reach,
     check_score,
     floor_of,
@@ -38,16 +39,15 @@ from ead_llm.optimize.search import (
     sum_bills,
 )
 from ead_llm.policies.base import LargeOnly, Policy, SmallOnly, describe_policy
-from ead_llm.policies.switching import EAD
 
 DEFAULT_THRESHOLDS = (0.4, 0.2, 0.1, 0.05, 0.025)
 """EAD thresholds (bits) of the default candidates, high (cheap) to low (near LargeOnly)."""
 
 
-def default_candidates() -> list[Policy]:
+def default_candidates(thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> list[Policy]:
     """SmallOnly, then EAD with lookahead (window 1, dwell 1: the large model writes exactly the tokens the small
-    one is unsure of) at each of :data:`DEFAULT_THRESHOLDS`: roughly cheapest first."""
-    return [SmallOnly()] + [EAD(threshold=t, window=1, min_dwell=1, lookahead=True) for t in DEFAULT_THRESHOLDS]
+    one is unsure of) at each of ``thresholds``, given high (cheap) to low: roughly cheapest first."""
+    return [SmallOnly()] + [candidate(t, lookahead=True) for t in thresholds]
 
 
 @dataclass(frozen=True)
@@ -265,11 +265,11 @@ class _Search:
         best = baseline
         bills = dict(self._last_bills)
         for name in sorted(names, key=lambda n: -large_only[n]):  # the dearest first
-            for candidate in self.owner.candidates:
-                trial = self._evaluate({**current, name: candidate}, name, floor, best.cost)
+            for policy in self.owner.candidates:
+                trial = self._evaluate({**current, name: policy}, name, floor, best.cost)
                 if trial.score is not None and trial.score >= floor - 1e-9 and trial.cost < best.cost:
                     self.trials[-1] = trial = Trial(**{**trial.__dict__, "accepted": True})
-                    current[name], best = candidate, trial
+                    current[name], best = policy, trial
                     costs, bills = dict(self._last_costs), dict(self._last_bills)
                     break
         assert best.score is not None

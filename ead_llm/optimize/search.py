@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+from ead_llm.policies.switching import EAD
+
 CostUnit = Literal["large_tokens", "usd", "wall"]
 COST_KEYS: dict[str, str] = {"large_tokens": "large_tokens", "usd": "cost_usd", "wall": "wall_time_s"}
 """The cost dict's key each unit sums."""
@@ -64,3 +66,11 @@ def policy_text(policy: dict[str, Any]) -> str:
     name = policy.get("policy", "?")
     settings = ", ".join(f"{k}={v}" for k, v in policy.items() if k != "policy")
     return f"{name}({settings})"
+
+
+def candidate(threshold: float, *, lookahead: bool) -> EAD:
+    """EAD with lookahead (window 1, dwell 1: the large model writes exactly the tokens the small one is unsure
+    of) or as published (window 5, dwell 10), at ``threshold``."""
+    if lookahead:
+        return EAD(threshold=threshold, window=1, min_dwell=1, lookahead=True)
+    return EAD(threshold=threshold)

@@ -446,20 +446,15 @@ def read_prompts(path: str) -> list[str]:
     line."""
     from pathlib import Path
 
-    text = Path(path).read_text()
+    from ead_llm.evaluation.bench.tasks import jsonl_objects
+
     if not path.endswith(".jsonl"):
-        prompts = [line for line in text.splitlines() if line.strip()]
+        prompts = [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
         prompts = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise ValueError(f"{path}:{number} is not JSON ({err}): each line is an object with a prompt") from err
-            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{path}:{number} has no string 'prompt' field")
+        for where, record in jsonl_objects(Path(path), "a 'prompt'"):
+            if not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{where}: 'prompt' must be a string")
             prompts.append(record["prompt"])
     if not prompts:
         raise ValueError(f"{path} holds no prompts: one per line, or JSON lines with a 'prompt' field")
@@ -845,8 +840,18 @@ def check_args(args: argparse.Namespace) -> None:
         serve_pricing(args)
         serve_limits(args)
     elif args.command == "bench":
-        counts = ("dev", "test", "max_tokens", "batch_size", "dev_batch_size", "repeats", "eager_paths", "gamma")
-        for name in (*counts, "router_probe"):
+        counts = (
+            "dev",
+            "test",
+            "max_tokens",
+            "batch_size",
+            "dev_batch_size",
+            "repeats",
+            "eager_paths",
+            "gamma",
+            "router_probe",
+        )
+        for name in counts:
             if getattr(args, name) is not None:
                 check_int("--" + name.replace("_", "-"), getattr(args, name), minimum=1)
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ead_llm.core.validation import check_float, check_int
 from ead_llm.evaluation.extract import EXTRACTORS, contains_answer, extract_final_answer, normalize
@@ -109,10 +111,9 @@ def hash_split(prompt: str, dev_fraction: float) -> str:
     return "dev" if bucket < dev_fraction else "test"
 
 
-def _read_jsonl(path: Path) -> list[tuple[Example, str | None]]:
-    if not path.is_file():
-        raise ValueError(f"task file {str(path)!r} does not exist: pass a JSONL file of {{'prompt', 'answer'}} lines")
-    out: list[tuple[Example, str | None]] = []
+def jsonl_objects(path: Path, fields: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, object)`` for each non-blank line of a JSONL file (``where``: ``path:line``); a line that is not
+    a JSON object is refused, saying it should hold ``fields``."""
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
         if not line.strip():
             continue
@@ -122,7 +123,15 @@ def _read_jsonl(path: Path) -> list[tuple[Example, str | None]]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: not JSON ({error.msg})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: each line must be an object with 'prompt' and 'answer'")
+            raise ValueError(f"{where}: each line must be an object with {fields}")
+        yield where, record
+
+
+def _read_jsonl(path: Path) -> list[tuple[Example, str | None]]:
+    if not path.is_file():
+        raise ValueError(f"task file {str(path)!r} does not exist: pass a JSONL file of {{'prompt', 'answer'}} lines")
+    out: list[tuple[Example, str | None]] = []
+    for where, record in jsonl_objects(path, "'prompt' and 'answer'"):
         prompt, answer, split = record.get("prompt"), record.get("answer"), record.get("split")
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{where}: 'prompt' must be a non-empty string")
