@@ -207,6 +207,8 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(
     for name in ("small_only", "large_only", "ead", "speculative", "easd", "eager", "random_switching", "oracle"):
         assert name in test_policies
     assert test_policies.count("ead") == 4 and test_policies.count("random_switching") == 4
+    for name in ("speculative", "easd"):  # fixed and adaptive gamma
+        assert sorted(r["params"]["adaptive_gamma"] for r in runs if r["policy"] == name) == [False, True]
     routers = [r for r in runs if r["policy"] == "query_router"]
     assert [(r["params"]["threshold"], r["params"]["probe"]) for r in routers] == [(3.0, 8), (8.0, 8)]
     assert "fixed_block" in test_policies

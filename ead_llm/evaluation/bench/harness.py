@@ -630,10 +630,12 @@ def run_bench(
     ]
     runs += test_ead
     if config.speculative:
-        speculative = SpeculativeDecoding(gamma=config.gamma)
-        easd = EASD(entropy_threshold=config.easd_threshold, gamma=config.gamma)
-        runs.append(runner.run(f"Speculative gamma={config.gamma}", "speculative", speculative, "test"))
-        runs.append(runner.run(f"EASD tau={config.easd_threshold:g}", "speculative", easd, "test"))
+        for adaptive in (False, True):
+            suffix = " adaptive" if adaptive else ""
+            speculative = SpeculativeDecoding(gamma=config.gamma, adaptive_gamma=adaptive)
+            easd = EASD(entropy_threshold=config.easd_threshold, gamma=config.gamma, adaptive_gamma=adaptive)
+            runs.append(runner.run(f"Speculative gamma={config.gamma}{suffix}", "speculative", speculative, "test"))
+            runs.append(runner.run(f"EASD tau={config.easd_threshold:g}{suffix}", "speculative", easd, "test"))
     if theta is not None:
         eager = _eager(config, theta, variant.policy(threshold), task)
         runs.append(runner.run(f"EAGER theta={theta:g}", "eager", eager, "test", chosen=True))
