@@ -250,8 +250,7 @@ class Engine(Frontend):
             *(self._sample(plan.role, seqs, out, sampled) if sampled else []),
             *(self._verify(seqs, out, verified) if verified else []),
         ]
-        # decoders act in a fixed order (rows that caught up on several tokens, then decodes, then
-        # verifications): where paths of one call compete for a budget (EAGER), the order decides
+        # decoders act in a fixed order (catch-ups, decodes, verifications): it decides where EAGER's paths compete
         results = sorted(to_host(parts), key=lambda item: (_rank(out.work[item[0]], reads[item[0]]), item[0]))
         room = self.scheduler.fork_room()
         for i, result in results:
