@@ -177,6 +177,8 @@ class Example:
     ids: list[int]
     start: int
     """First position whose next-token distribution is a target (the last prompt token)."""
+    sample: int = 0
+    """Which of the question's answers: 0 greedy, the others sampled."""
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids), H]
     best: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids) - 1 - start]: target's argmax
 
@@ -208,7 +210,8 @@ def written(
             chunk = requests[first : first + 64]
             for request, q, done in zip(chunk, owners[first : first + 64], engine.generate(chunk), strict=True):
                 ids = engine.encode(request.prompt)
-                out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1))
+                sample = request.sample_index or 0
+                out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1, sample=sample))
         return out
     finally:
         engine.close()
@@ -455,6 +458,7 @@ def distill(
         param.requires_grad = False
     after = agreement(draft, held)
     after_real_prompt = agreement(draft, held, zero_prompt=False)
+    after_greedy = agreement(draft, [e for e in held if e.sample == 0])
     card = {
         "target": source,
         "design": f"{layers} decoder layer(s) over the target's final hidden states and token embeddings "
@@ -476,6 +480,7 @@ def distill(
         "top1_agreement_before": round(before, 4),
         "top1_agreement_after": round(after, 4),
         "top1_agreement_after_with_prompt_features": round(after_real_prompt, 4),
+        "top1_agreement_after_greedy_answers": round(after_greedy, 4),
         "own_parameters": sum(v.numel() for k, v in own_state(draft).items() if k != "vocab_index"),
     }
     save(draft, tokenizer, out, card)

@@ -48,6 +48,7 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     assert card["steps"] == 2 and card["budget"] == "2 steps" and card["seed"] == 3
     assert card["held_out_questions"] == 1 and card["held_out_answers"] == 2  # 10% of 12 questions, 2 answers each
     assert 0.0 <= card["top1_agreement_before"] <= 1.0 and 0.0 <= card["top1_agreement_after"] <= 1.0
+    assert 0.0 <= card["top1_agreement_after_greedy_answers"] <= 1.0
     assert 0.0 < card["head_coverage"] <= 1.0
     assert (out / "draft_card.json").is_file() and "top1_agreement_after" in (out / "README.md").read_text()
     from transformers import AutoModelForCausalLM
@@ -148,6 +149,8 @@ def test_answers_are_kept_before_the_features_and_reused(
     data = tmp_path / "data.pt"
     whole = distill.main(_args(target, tmp_path / "a", "--data", str(data)))
     assert data.is_file() and (tmp_path / "data.pt.answers").is_file()
+    answers = torch.load(tmp_path / "data.pt.answers", weights_only=False)
+    assert [e.sample for e in answers] == [0, 1] * 12  # each question's greedy answer, then its sampled one
     data.unlink()  # as if the run had died after writing its answers
 
     def asked_again(*args: object, **kwargs: object) -> None:

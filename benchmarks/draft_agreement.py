@@ -1,0 +1,59 @@
+"""Top-1 agreement of a feature-reading draft with its target, split by how the target wrote the answer.
+
+``ead-llm distill`` reports one agreement over all held-out answers, of which one per question is greedy and the
+others sampled at temperature 0.8. Greedy speculative decoding drafts after greedy text only, so this prints
+the two apart: the target writes its answers to the questions ``distill`` held out again (the same seeds, so the
+same answers), and the draft is scored teacher-forced on each kind (each position reads the target's feature of
+the one before, zeros over the prompt, as the card's figure).
+
+    OMP_NUM_THREADS=1 python benchmarks/draft_agreement.py [--draft DIR] [--samples 3] [--max-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ead_llm.drafts.distill import agreement, held_out_questions, read_features, register, written
+from ead_llm.testing import smollm2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped SmolLM2 one)")
+    parser.add_argument("--samples", type=int, default=3, help="answers per question, the first greedy")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    register()
+    target_dir = str(smollm2.full_model())
+    draft_dir = args.draft or str(smollm2.fast_draft())
+    asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
+    examples = written(target_dir, asked, args.seed, args.samples, args.max_tokens, None)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    read_features(target, examples)
+    del target
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    greedy = [e for e in examples if e.sample == 0]
+    sampled = [e for e in examples if e.sample]
+    figures = {
+        "questions": len(asked),
+        "answers": len(examples),
+        "agreement_all": agreement(draft, examples),
+        "agreement_greedy": agreement(draft, greedy),
+        "agreement_sampled": agreement(draft, sampled) if sampled else None,
+        "greedy_positions": sum(len(e.ids) - 1 - e.start for e in greedy),
+    }
+    print(json.dumps(figures, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
