@@ -161,7 +161,7 @@ def spread(values: list[float], digits: int = 2) -> str:
 
 def entropy_rule(questions: list[dict[str, str]]) -> dict[str, Any]:
     full = smollm2.full_model()
-    draft = smollm2.trained_draft() or smollm2.early_exit_draft()
+    draft = smollm2.early_exit_draft()
     pair = load_pair(LoadConfig(small=str(draft), large=str(full), device="cpu"))
     engine = Engine(pair)
     tokenizer = pair.tokenizer

@@ -16,7 +16,7 @@ from ead_llm import EAD, ChatEntropyAdaptive
 from ead_llm.testing import smollm2
 
 LARGE = str(smollm2.full_model())  # e.g. "Qwen/Qwen2.5-7B-Instruct"
-SMALL = str(smollm2.trained_draft() or smollm2.early_exit_draft())  # e.g. "Qwen/Qwen2.5-0.5B-Instruct"
+SMALL = str(smollm2.early_exit_draft())  # e.g. "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 class Capital(BaseModel):

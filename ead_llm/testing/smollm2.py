@@ -10,9 +10,7 @@ drafts with the same tokenizer are built beside it:
 - :func:`early_exit_draft`: the model's own first ``layers`` layers, its final norm and its (tied)
   embeddings, untrained (LayerSkip-style early exit);
 - :func:`fast_draft`: the shipped one-layer draft over the model's hidden states (EAGLE-style, a head over its
-  8,192 most frequent tokens), trained by ``ead-llm distill``; only its own weights are in the repository;
-- :func:`trained_draft`: the early-exit draft, distilled on the full model's own text by
-  ``python -m ead_llm.testing.distill`` (an hour on 2 CPU cores; too large to ship, so rebuilt there).
+  8,192 most frequent tokens), trained by ``ead-llm distill``; only its own weights are in the repository.
 
 The cache is ``$EAD_LLM_CACHE`` or ``~/.cache/ead-llm``.
 """
@@ -200,12 +198,6 @@ def ship_draft(trained: Path, command: str) -> Path:
     for name, text in files.items():
         (SHIPPED_DRAFT / name).write_text(text)
     return SHIPPED_DRAFT
-
-
-def trained_draft(layers: int = DRAFT_LAYERS) -> Path | None:
-    """The distilled draft's folder, if ``python -m ead_llm.testing.distill`` has built it here."""
-    target = cache_dir() / f"{FULL}-draft{layers}"
-    return target if (target / "config.json").exists() else None
 
 
 def _save(model: Any, tokenizer: Any, target: Path) -> None:
