@@ -159,3 +159,36 @@ def test_a_row_in_stretches_is_read_in_place(pair: ModelPair, limit: int, monkey
     assert max(pieces) == 4
     # every later pass over a view of each stretch, or, in more pieces than the limit, copied as before
     assert [None if u is None else len(u.spans) for u in units[1:]] == [p if p <= limit else None for p in pieces]
+
+
+def _reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Plain attention of queries ``[1, H, W, D]`` over all of ``[1, Hkv, L, D]``, each group's heads repeated."""
+    group = query.shape[1] // keys.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (keys, values))
+    weights = (query.double() @ k.transpose(-1, -2) / query.shape[-1] ** 0.5).softmax(dim=-1)
+    return (weights @ v).to(query.dtype)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["grouped", "one-per-head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_query_over_views_and_stretches(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """One decode query over a view of a head-major cache and over stretches of it (merged by each stretch's
+    log-sum-exp, a stretch as short as one position) gives plain attention over the joined positions."""
+    query_heads, kv_heads = heads
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(kv_heads, 300, 64, generator=gen).to(dtype)  # [Hkv, slots, D], as the cache stores them
+    values = torch.randn(kv_heads, 300, 64, generator=gen).to(dtype)
+    query = torch.randn(1, 1, query_heads, 64, generator=gen).to(dtype).transpose(1, 2)  # [1, H, 1, D], strided
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for spans in ([slice(0, 200)], [slice(100, 260), slice(7, 8), slice(280, 299)], [slice(0, 64), slice(64, 65)]):
+        views = [(keys[:, s][None], values[:, s][None]) for s in spans]
+        joined = [torch.cat([view[i] for view in views], dim=2) for i in (0, 1)]
+        want = _reference_attention(query, *joined)
+        got = (
+            model_runner.attention(query, *views[0], None, None)
+            if len(spans) == 1
+            else model_runner.split_attention(query, views, None, None)
+        )
+        assert got.shape == want.shape == (1, query_heads, 1, 64) and got.dtype == dtype
+        assert torch.allclose(got.float(), want.float(), atol=tol), (spans, (got - want).abs().max())
