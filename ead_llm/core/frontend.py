@@ -153,7 +153,14 @@ class Frontend:
         waiting included. A request that fails raises from the stream and cancels the rest; with
         ``isolate`` it is recorded in ``stream.failures`` and the others go on.
         """
-        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        return self._stream(requests, timeout_s, isolate=isolate, whole=False)
+
+    def _stream(
+        self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool, whole: bool
+    ) -> EventStream:
+        """:meth:`stream`; ``whole``: the caller reads whole completions, so the events come in one hand-over at
+        the end (or when a request fails) rather than every step."""
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate, whole=whole)
         return self._open(EventStream(self, call, processors, timeout_s, isolate=isolate), call, sequences)
 
     def astream(
@@ -170,15 +177,17 @@ class Frontend:
         return self._submit_unless_abandoned(_Submission(), requests, timeout_s, loop, isolate=isolate)
 
     async def asubmit(
-        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False
+        self, requests: Sequence[Request], timeout_s: float | None = None, *, isolate: bool = False, whole: bool = False
     ) -> AsyncEventStream:
         """:meth:`astream` with the checking and encoding (tokenizers, grammars) done in a worker thread, so the
         event loop stays free; a bad request raises here. Cancelled while submitting, the requests are never
         queued, or, if the worker queued them first, cancelled before the cancellation reaches the caller (so
-        they are retired at the end of the step running then, never later)."""
+        they are retired at the end of the step running then, never later). ``whole``: as for :meth:`_stream`."""
         loop = asyncio.get_running_loop()
         submission = _Submission()
-        work = asyncio.to_thread(self._submit_unless_abandoned, submission, requests, timeout_s, loop, isolate=isolate)
+        work = asyncio.to_thread(
+            self._submit_unless_abandoned, submission, requests, timeout_s, loop, isolate=isolate, whole=whole
+        )
         try:
             return await asyncio.shield(asyncio.ensure_future(work))
         except asyncio.CancelledError:
@@ -193,10 +202,11 @@ class Frontend:
         loop: asyncio.AbstractEventLoop,
         *,
         isolate: bool,
+        whole: bool = False,
     ) -> AsyncEventStream:
         """Check and encode ``requests`` (in :meth:`asubmit`'s worker thread, or inline for :meth:`astream`), then
         queue them unless ``submission`` was abandoned meanwhile."""
-        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate)
+        call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate, whole=whole)
         inbox = async_inbox(call, loop)
         stream = AsyncEventStream(self, call, processors, timeout_s, isolate=isolate, inbox=inbox)
         with submission.lock:
@@ -207,14 +217,14 @@ class Frontend:
             return self._open(stream, call, sequences)
 
     def _submit(
-        self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool
+        self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool, whole: bool = False
     ) -> tuple[Call, list[Seq], dict[int, OutputProcessor]]:
         """A call for ``requests``, its sequences (checked and encoded, not queued) and the caller-side
         detokenizers."""
         check_requests(requests)
         if timeout_s is not None:
             check_float("timeout_s", timeout_s, minimum=0.0, exclusive_minimum=True)
-        call = Call(fail_fast=not isolate)
+        call = Call(fail_fast=not isolate, whole=whole)
         sequences = [
             self.inputs.sequence(call, i, r, self.kv_budget_tokens, self.kv_block_size) for i, r in enumerate(requests)
         ]
@@ -272,7 +282,7 @@ class Frontend:
         running after that many seconds raises ``TimeoutError``; its sequences' caches are freed.
         """
         builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
-        stream = self.stream(requests, timeout_s, isolate=return_exceptions)
+        stream = self._stream(requests, timeout_s, isolate=return_exceptions, whole=True)
         try:
             for event in stream:
                 builder.record(event)
@@ -311,7 +321,7 @@ class Frontend:
         """:meth:`generate` for async callers: cancelling the awaiting task (``asyncio.wait_for``, a client that
         left) stops the requests within one engine step and frees their caches."""
         builder = CompletionBuilder(requests, (self.pair.small.info, self.pair.large.info), pricing)
-        stream = await self.asubmit(requests, timeout_s, isolate=return_exceptions)
+        stream = await self.asubmit(requests, timeout_s, isolate=return_exceptions, whole=True)
         try:
             async for event in stream:
                 builder.record(event)

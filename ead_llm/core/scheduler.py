@@ -65,6 +65,12 @@ class Call:
     """Paths started per request index."""
     shared: dict[str, Any] = field(default_factory=dict)
     """State the call's decoders share (EAGER's budget)."""
+    whole: bool = False
+    """The caller reads whole completions (``generate``), not a stream: its items are held and handed over once, when
+    the call ends or is cancelled (as a fail-fast call is by a request's failure), instead of once per step (a caller
+    thread woken every step competes with the engine for the interpreter: 16 such callers ran 1.3-1.7x faster held)."""
+    held: list[Any] = field(default_factory=list)
+    """Items of a ``whole`` call not handed over yet (touched under the engine's lock)."""
 
     def put(self, items: Any) -> None:
         """Hand ``items`` to the caller (thread-safe); a caller that is gone is cancelled."""
@@ -333,6 +339,11 @@ class Scheduler:
             if not call.closed and not call.cancelled and call.complete:
                 out[call].append(DONE)
                 call.closed = True
+            if call.whole and not (call.closed or call.cancelled):  # nothing the caller must act on yet
+                call.held.extend(out.pop(call))
+                continue
+            if call.held:
+                out[call][:0], call.held = call.held, []
             if not out[call]:
                 del out[call]
         if not self.running:

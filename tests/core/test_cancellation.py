@@ -114,10 +114,10 @@ def test_a_call_cancelled_while_still_submitting_is_never_queued(
     submit, opened, release = engine._submit, [], threading.Event()
     first = threading.Semaphore(1)
 
-    def held_back(requests: Any, timeout_s: Any, *, isolate: bool) -> Any:
+    def held_back(requests: Any, timeout_s: Any, **options: Any) -> Any:
         if not first.acquire(blocking=False):  # every submission but the first waits until the caller has left
             release.wait(60)
-        return submit(requests, timeout_s, isolate=isolate)
+        return submit(requests, timeout_s, **options)
 
     def counted_open(stream: Any, call: Any, sequences: Any) -> Any:
         opened.append(call)

@@ -226,3 +226,78 @@ def test_a_fault_outside_any_row_fails_what_runs_and_the_engine_serves_on(
     assert engine._thread is not None and engine._thread.is_alive()  # the scheduler thread serves on
     assert [c.text for c in engine.generate(requests(LargeOnly(), GOOD))] == expected
     assert_idle(engine)
+
+
+def _hand_overs(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
+    """Every hand-over to a caller from now on (each a list of items)."""
+    from ead_llm.core.scheduler import Call
+
+    seen: list[list[Any]] = []
+    put = Call.put
+    monkeypatch.setattr(Call, "put", lambda self, items: seen.append(items) or put(self, items))
+    return seen
+
+
+def test_whole_completions_come_in_one_hand_over_and_streams_every_step(
+    llama_pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generate`` reads whole completions: its items are handed over once, at the end, with the same texts as a
+    stream, which gets them every step."""
+    engine = Engine(llama_pair, max_batch=32)
+    batch = requests(LargeOnly(), GOOD, temperature=0.0)
+    seen = _hand_overs(monkeypatch)
+    streamed = [event.text for event in engine.stream(batch[:1])]
+    steps = engine.steps
+    assert len(seen) == len(streamed) == 10  # one per step, the end marker with the last
+    seen.clear()
+    out = engine.generate(batch)
+    assert len(seen) == 1 and len(seen[0]) == 10 * len(GOOD) + 1 and engine.steps - steps == 10
+    assert out[0].text == "".join(streamed)
+    assert_idle(engine)
+
+
+def test_a_failure_in_a_whole_call_is_handed_over_at_once(llama_pair) -> None:
+    """A request failing in a ``generate`` call ends the call in the step it fails (its held items are handed over
+    with the failure), not when the others end: the call raises and the rest are cancelled within a step. With
+    ``return_exceptions`` the others finish as they would alone, the failure handed over with them."""
+    engine = Engine(llama_pair, max_batch=32)
+    long = {"max_tokens": 300, "temperature": 0.0}
+    expected = alone(engine, LargeOnly(), GOOD, **long)
+    bad, failed_at = engine.encode(BAD), []
+
+    def late(ids: list[int]) -> bool:
+        if ids[: len(bad)] == bad and len(ids) > len(bad) + 3:  # a few tokens in: items are held by then
+            failed_at.append(engine.steps)
+            return True
+        return False
+
+    prompts = [GOOD[0], BAD, *GOOD[1:]]
+    with pytest.raises(InjectedFault), fail_passes(engine, when=late):
+        engine.generate(requests(LargeOnly(), prompts, **long))
+    assert_idle(engine)
+    assert engine.steps - failed_at[0] <= 2, "the call ran on after its failure"  # 300 if held to the end
+    with fail_passes(engine, when=late):
+        out = engine.generate(requests(LargeOnly(), prompts, **long), return_exceptions=True)
+    assert texts(out) == [expected[0], InjectedFault, *expected[1:]]
+    assert_idle(engine)
+
+
+def test_closing_the_engine_hands_over_what_a_whole_call_finished(llama_pair) -> None:
+    """An engine closed under a ``generate`` call whose first request has finished (its items held) still hands
+    that answer over; the request still running fails with the closing."""
+    import threading
+    import time
+
+    engine = Engine(llama_pair, max_batch=32)
+    short, long = requests(LargeOnly(), GOOD[:1], max_tokens=3)[0], requests(LargeOnly(), GOOD[1:2], max_tokens=400)[0]
+    expected = engine.generate([short])[0].text
+    out: list[Any] = []
+    worker = threading.Thread(target=lambda: out.extend(engine.generate([short, long], return_exceptions=True)))
+    worker.start()
+    deadline = time.monotonic() + 60
+    while engine.load["running"] != 1:  # the short one retired, the long one decoding
+        assert time.monotonic() < deadline and worker.is_alive(), engine.load
+        time.sleep(0.001)
+    engine.close()
+    worker.join(60)
+    assert [o.text if isinstance(o, Completion) else str(o) for o in out] == [expected, "the engine was closed"]
