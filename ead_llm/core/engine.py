@@ -205,7 +205,7 @@ class Engine(Frontend):
         with self._cond:
             deliveries = scheduler.finish_step()
         for call, items in deliveries.items():
-            call.put(items)  # one hand-over per caller per step
+            call.put(items)  # one hand-over per caller per step (a whole-completion call's held to its end)
         return True
 
     def _abort(self, exc: BaseException) -> None:

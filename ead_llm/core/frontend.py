@@ -159,7 +159,7 @@ class Frontend:
         self, requests: Sequence[Request], timeout_s: float | None, *, isolate: bool, whole: bool
     ) -> EventStream:
         """:meth:`stream`; ``whole``: the caller reads whole completions, so the events come in one hand-over at
-        the end (or when a request fails) rather than every step."""
+        the end (or when the call is cancelled, as a fail-fast request's failure does) rather than every step."""
         call, sequences, processors = self._submit(requests, timeout_s, isolate=isolate, whole=whole)
         return self._open(EventStream(self, call, processors, timeout_s, isolate=isolate), call, sequences)
 

@@ -108,8 +108,10 @@ def kept_floor(
     nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
     for wider in (min(vocab, WIDER), vocab):
         deeper = torch.isnan(nucleus).nonzero().flatten()
+        if wider < vocab:  # a row whose edge cannot lie among the wider ones is sorted whole straight away
+            deeper = deeper[_may_end_within(weights[deeper], own[deeper], total[deeper], top_p[deeper], wider)]
         if not len(deeper):
-            break
+            continue
         rows = scaled[deeper]
         ordered = sorted_descending(rows) if wider == vocab else torch.topk(rows, wider).values
         found = _nucleus_floor(
@@ -119,6 +121,21 @@ def kept_floor(
             found = torch.where(torch.isnan(found), -torch.inf, found)
         nucleus[deeper] = found
     return torch.maximum(floor, nucleus), values, ids
+
+
+def _may_end_within(
+    weights: torch.Tensor, own: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor, wider: int
+) -> torch.Tensor:
+    """Whether each row's nucleus edge can lie among its ``wider`` most likely tokens ``[R]`` bool, from its
+    candidates' ``weights`` ``[R, C]`` (:func:`_head`'s; the row's ``own`` first are its candidates, all at or
+    above its floor since its edge lies past them) and its ``total`` weight: each token past the candidates weighs
+    at most the last one, so the ``wider`` hold at most the candidates' mass plus that weight for each of the rest.
+    Where even that stays below ``top_p`` of the total (by more than rounding), the wider look would find nothing
+    and the row goes straight to the sort, with the same floor."""
+    held = weights.sum(-1, dtype=torch.float64)
+    last = weights.gather(1, (own - 1)[:, None]).squeeze(1).double()
+    bound = held + torch.clamp(wider - own, min=0) * last
+    return bound >= top_p.double() * total * (1.0 - NUCLEUS_RTOL) * (1.0 - 1e-9)
 
 
 def sorted_descending(rows: torch.Tensor) -> torch.Tensor:

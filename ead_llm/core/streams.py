@@ -2,7 +2,8 @@
 completions built from them.
 
 The scheduler thread hands each call its items (token events, a request's failure, the end marker)
-once per step. A stream turns them into :class:`TokenEvent` objects on the caller's side, detokenizing
+once per step, or, to a call that reads whole completions (``generate``), once when it ends or is
+cancelled. A stream turns them into :class:`TokenEvent` objects on the caller's side, detokenizing
 there the sequences the scheduler did not. A request that fails either raises from the stream (the
 default: the rest of the call is cancelled) or, with ``isolate``, is recorded in ``failures`` while the
 call's other requests go on. Cancelling a stream (``close()``, leaving a loop early, a timeout, or the

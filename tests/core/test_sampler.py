@@ -203,3 +203,28 @@ def test_the_floor_keeps_what_the_plain_rule_keeps(
         assert torch.equal(kept[b], expected), (b, int(kept[b].sum()), int(expected.sum()))
         alone = filter_logits(logits[b : b + 1], temperature[:1], k[:1], p[:1], max_top_k=top_k, any_top_p=top_p < 1)
         assert torch.equal(alone[0] > -math.inf, kept[b])
+
+
+@pytest.mark.parametrize(("top_p", "wider_looks"), [(0.95, 0), (0.2, 1)], ids=["past-the-wider", "among-the-wider"])
+def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_sorted_at_once(
+    top_p: float, wider_looks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flat row's nucleus of ~2,800 of 3,000 tokens cannot lie among its 1,024 most likely (bounded from its 64
+    candidates), so the row is sorted at once with no look at those 1,024; a nucleus of ~600 is found among them
+    without a sort. The kept set is the plain rule's either way."""
+    from ead_llm.core import ops
+
+    logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(1)) * 0.05
+    looks, sorts, topk, ordered = [], [], torch.topk, ops.sorted_descending
+    monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: looks.append(k) or topk(x, k, *a, **kw))
+    monkeypatch.setattr(ops, "sorted_descending", lambda rows: sorts.append(rows.shape) or ordered(rows))
+    kept = filter_logits(
+        logits,
+        torch.full((1,), 0.9),
+        torch.zeros(1, dtype=torch.long),
+        torch.full((1,), top_p),
+        max_top_k=0,
+        any_top_p=True,
+    )
+    assert looks.count(ops.WIDER) == wider_looks and len(sorts) == 1 - wider_looks
+    assert torch.equal(kept[0] > -math.inf, reference_probs(logits[0], 0.9, 0, top_p) > 0)
