@@ -33,7 +33,7 @@ from ead_llm.core.types import (
     Role,
     Rollback,
     RowFailure,
-    TokenEvent,
+    token_event,
 )
 
 if TYPE_CHECKING:
@@ -229,14 +229,17 @@ class Scheduler:
             except Exception as exc:  # a broken policy fails its own call only
                 self.fail(seq, exc)
         passes: dict[Role, list[tuple[Sequence, Read]]] = {}
+        preempted = self.preemptions  # while it stays, every row read is still running (no list search per row)
         for seq, read in reads:
-            if seq.finished or seq not in self.running:
+            if seq.finished or (self.preemptions != preempted and seq not in self.running):
                 continue
             if self._reserve(seq, read.role):
                 passes.setdefault(read.role, []).append((seq, read))
         plans = []
         for role in (Role.LARGE, Role.SMALL):
-            rows = [(seq, read) for seq, read in passes.get(role, []) if seq in self.running]
+            rows = passes.get(role, [])
+            if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
+                rows = [(seq, read) for seq, read in rows if seq in self.running]
             if rows:
                 plans.append(PassPlan(role, [seq for seq, _ in rows], [read for _, read in rows]))
         return SchedulerOutput(plans)
@@ -377,7 +380,7 @@ class Scheduler:
             if seq.output.stopped:
                 finish = FinishReason.STOP
         first = seq.generated == 1 and seq.path == 0
-        event = TokenEvent(
+        event = token_event(
             index=seq.index,
             token_id=token,
             text=text,

@@ -76,6 +76,41 @@ class TokenEvent:
     continues the first ``tokens`` generated tokens of its parent."""
 
 
+def token_event(
+    index: int,
+    token_id: int,
+    text: str,
+    role: Role,
+    entropy: float,
+    work: tuple[ForwardWork, ...],
+    finish_reason: FinishReason | None,
+    counters: tuple[tuple[str, int], ...],
+    path: int,
+    prompt_tokens: int,
+    cached_tokens: tuple[tuple[Role, int], ...],
+    branched_from: tuple[int, int] | None,
+) -> TokenEvent:
+    """A :class:`TokenEvent` made without the frozen dataclass's ``__init__``, which sets each field through
+    ``object.__setattr__`` (2.5 us against 0.5 us here): the scheduler makes one per generated token. Every field
+    is given; a test keeps this list equal to the class's."""
+    event = object.__new__(TokenEvent)
+    event.__dict__.update(
+        index=index,
+        token_id=token_id,
+        text=text,
+        role=role,
+        entropy=entropy,
+        work=work,
+        finish_reason=finish_reason,
+        counters=counters,
+        path=path,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        branched_from=branched_from,
+    )
+    return event
+
+
 @dataclass(frozen=True)
 class RowFailure:
     """Request ``index`` of a call failed with ``error`` (its other requests carry on)."""

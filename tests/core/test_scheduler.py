@@ -244,3 +244,33 @@ def test_the_load_is_idle_as_soon_as_a_call_returns(llama_pair) -> None:
     for policy in (SmallOnly(), LargeOnly(), EAD(threshold=0.2, min_dwell=3), SpeculativeDecoding(gamma=3)):
         engine.generate([Request("12+35=", policy, SamplingParams(max_tokens=9, ignore_eos=True))] * 3)
         assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}  # no waiting, no polling
+
+
+def test_the_fast_token_event_is_the_dataclass() -> None:
+    """``token_event`` (the scheduler's per-token constructor, which skips the frozen ``__init__``) takes exactly the
+    class's fields and gives an event equal to the dataclass's own, still frozen."""
+    import dataclasses
+    import inspect
+
+    from ead_llm.core.types import ForwardWork, Role, TokenEvent, token_event
+
+    names = [f.name for f in dataclasses.fields(TokenEvent)]
+    assert list(inspect.signature(token_event).parameters) == names
+    fields = {
+        "index": 3,
+        "token_id": 7,
+        "text": "ab",
+        "role": Role.LARGE,
+        "entropy": 0.25,
+        "work": (ForwardWork(Role.SMALL, 2, 5),),
+        "finish_reason": None,
+        "counters": (("drafted_tokens", 2),),
+        "path": 1,
+        "prompt_tokens": 9,
+        "cached_tokens": ((Role.LARGE, 16),),
+        "branched_from": (0, 4),
+    }
+    fast = token_event(**fields)
+    assert fast == TokenEvent(**fields) and hash(fast) == hash(TokenEvent(**fields))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.text = "c"  # type: ignore[misc]
