@@ -174,9 +174,12 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
 ) -> None:
     """Four long prompts decoded together: their prefills attend over the pass's own keys, and the scheduler keeps
     room after each row's blocks, so every later step reads each row's history where it lies (no row is ever
-    copied into a batch); each still gives generate()'s tokens."""
+    copied into a batch); each still gives generate()'s tokens. (Rows count as long from 128 positions here: the
+    tiny pair's context is 512.)"""
+    from ead_llm.core import model_runner
     from ead_llm.core.model_runner import ModelRunner
 
+    monkeypatch.setattr(model_runner, "VIEW_MIN", 128)
     units: list = []
     original = ModelRunner._alone
     monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
