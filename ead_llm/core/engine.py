@@ -218,7 +218,7 @@ class Engine(Frontend):
         scheduler.running, scheduler.waiting = [], collections.deque()
         for cache in self.caches.values():
             cache.clear()
-        for call in calls:  # what a whole-completion call was held first: requests that finished keep their answers
+        for call in calls:  # what a whole-completion call had held goes first: finished requests keep their answers
             if call.held:
                 call.put(call.held)
                 call.held = []

@@ -23,20 +23,13 @@ from ead_llm.accounting.ledger import CompletionLedger, Cost, Pricing
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.request import Completion, Request
 from ead_llm.core.scheduler import DONE, WAKE, Call
-from ead_llm.core.types import RowFailure, TokenEvent
+from ead_llm.core.types import RowFailure, TokenEvent, with_text
 
 if TYPE_CHECKING:
     from ead_llm.core.frontend import Frontend
     from ead_llm.core.loading import ModelInfo
 
 _END = object()
-
-
-def _with_text(event: TokenEvent, text: str) -> TokenEvent:
-    """``event`` with its text filled in (``dataclasses.replace`` without its per-field overhead)."""
-    filled = object.__new__(TokenEvent)
-    filled.__dict__.update(event.__dict__, text=text)
-    return filled
 
 
 class _Events:
@@ -90,7 +83,7 @@ class _Events:
             self._engine._fail_row(self._call, item.index, exc)
             self._fail(item.index, exc)
             return None
-        return _with_text(item, text)
+        return with_text(item, text)
 
     def _fail(self, index: int, error: BaseException) -> None:
         if self._isolate:
