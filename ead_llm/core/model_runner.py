@@ -101,12 +101,9 @@ def attention(
 ) -> torch.Tensor:
     """SDPA ``[B, H, W, D]`` of queries ``[B, H, W, D]`` over keys and values ``[B, Hkv, L, D]`` (grouped-query
     attention read in place when ``Hkv < H``)."""
-    batch, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
-    if width == 1 and mask is None and kv_heads != heads:  # decode: a group's queries as one head's rows (a view)
-        folded = query.view(batch, kv_heads, heads // kv_heads, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, scale=scaling)
-        return out.view(batch, heads, 1, dim)
+    if query.shape[2] == 1 and mask is None and key.shape[1] != query.shape[1]:  # decode, grouped
+        out = torch.nn.functional.scaled_dot_product_attention(_folded(query, key.shape[1]), key, value, scale=scaling)
+        return out.view(query.shape)
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
     )
@@ -124,7 +121,7 @@ def split_attention(
     _, heads, width, dim = query.shape
     kv_heads = stretches[0][0].shape[1]
     if width == 1 and mask is None and query.device.type == "cpu":
-        return _merged_decode(query, stretches, scaling)
+        return _merged_decode(_folded(query, kv_heads), stretches, scaling).view(query.shape)
     q = query[0].reshape(kv_heads, heads // kv_heads * width, dim)  # query heads h = kv * group + g
     scores = torch.cat([q @ keys[0].transpose(1, 2) for keys, _ in stretches], dim=-1).float()
     scores *= dim**-0.5 if scaling is None else scaling
@@ -142,15 +139,20 @@ def split_attention(
     return out.view(1, heads, width, dim)
 
 
+def _folded(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Decode queries ``[B, H, 1, D]`` as ``[B, Hkv, H / Hkv, D]``: each group's queries as the rows of its key-value
+    head (a view; query head h = kv * group + g), so grouped attention runs as plain attention, keys read in place."""
+    batch, heads, _, dim = query.shape
+    return query.view(batch, kv_heads, heads // kv_heads, dim)
+
+
 def _merged_decode(
-    query: torch.Tensor, stretches: list[tuple[torch.Tensor, torch.Tensor]], scaling: float | None
+    folded: torch.Tensor, stretches: list[tuple[torch.Tensor, torch.Tensor]], scaling: float | None
 ) -> torch.Tensor:
-    """:func:`split_attention` of one decode query ``[1, H, 1, D]`` on the CPU: the fused attention kernel over each
-    stretch in place, its outputs weighted by the share of the softmax mass each stretch holds (from the
-    log-sum-exp the kernel returns), as FlashAttention's split-KV decoding merges its splits."""
-    _, heads, _, dim = query.shape
-    kv_heads = stretches[0][0].shape[1]
-    folded = query.view(1, kv_heads, heads // kv_heads, dim)  # one decode query per head of a group: a view
+    """:func:`split_attention` of one row's :func:`_folded` decode queries ``[1, Hkv, G, D]`` on the CPU (same shape
+    out): the fused attention kernel over each stretch in place, its outputs weighted by the share of the softmax
+    mass each stretch holds (from the log-sum-exp the kernel returns), as FlashAttention's split-KV decoding merges
+    its splits."""
     parts = [_CPU_ATTENTION(folded, keys, values, scale=scaling) for keys, values in stretches]
     shares = torch.stack([lse for _, lse in parts]).softmax(dim=0)  # [S, 1, Hkv, G], float32
     out = None
@@ -158,7 +160,7 @@ def _merged_decode(
         weighted = part.float() * share.unsqueeze(-1)  # [1, Hkv, G, D]
         out = weighted if out is None else out.add_(weighted)
     assert out is not None
-    return out.to(query.dtype).view(1, heads, 1, dim)
+    return out.to(folded.dtype)
 
 
 _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
