@@ -4,7 +4,8 @@
 others sampled at temperature 0.8. Greedy speculative decoding drafts after greedy text only, so this prints
 the two apart: the target writes its answers to the questions ``distill`` held out again (the same seeds, so the
 same answers), and the draft is scored teacher-forced on each kind (each position reads the target's feature of
-the one before, zeros over the prompt, as the card's figure).
+the one before, zeros over the prompt, as the card's figure), and, for the second and third token of a round,
+on its own guesses of the features before them (as it drafts them; :mod:`ead_llm.drafts.unroll`).
 
     OMP_NUM_THREADS=1 python benchmarks/draft_agreement.py [--draft DIR] [--samples 3] [--max-tokens 96]
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ead_llm.drafts.distill import agreement, held_out_questions, read_features, register, written
+from ead_llm.drafts.distill import REPORTED_STEPS, agreement, held_out_questions, read_features, register, written
 from ead_llm.testing import smollm2
 
 
@@ -45,9 +46,10 @@ def main() -> None:
     figures = {
         "questions": len(asked),
         "answers": len(examples),
-        "agreement_all": agreement(draft, examples),
-        "agreement_greedy": agreement(draft, greedy),
-        "agreement_sampled": agreement(draft, sampled) if sampled else None,
+        "round_tokens": REPORTED_STEPS,
+        "agreement_all": agreement(draft, examples, depth=REPORTED_STEPS),
+        "agreement_greedy": agreement(draft, greedy, depth=REPORTED_STEPS),
+        "agreement_sampled": agreement(draft, sampled, depth=REPORTED_STEPS) if sampled else None,
         "greedy_positions": sum(len(e.ids) - 1 - e.start for e in greedy),
     }
     print(json.dumps(figures, indent=1))

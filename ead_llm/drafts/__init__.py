@@ -22,6 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128, help="longest answer (default 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch", type=int, default=16, help="answers per step (default 16)")
+    p.add_argument(
+        "--depth",
+        type=int,
+        default=1,
+        help="passes of training-time test: the draft also trained on its own guesses (default 1: teacher forced)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
         "--data",

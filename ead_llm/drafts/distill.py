@@ -48,6 +48,7 @@ from ead_llm.drafts.model import (
     save_folder,
     target_features,
 )
+from ead_llm.drafts.unroll import unrolled
 
 TOPICS = [
     "the moon",
@@ -280,38 +281,60 @@ def inputs_of(
     return ids, shifted
 
 
-def loss_of(draft: FeatureDraft, group: list[Example], zero_prompt: list[bool], noise: float, gen: Any) -> torch.Tensor:
-    """Cross-entropy of the target's head distribution (over the draft's tokens) plus the smooth-L1 distance of
-    the draft's outputs from the target's features, over answer positions."""
-    ids, feats = inputs_of(group, zero_prompt, noise, gen)
-    out, logits = draft.draft_forward(ids, feats)
-    rows, cols = [], []
+def _answer_index(group: list[Example]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The (row, position) index of every answer position of ``group`` (each predicts the next token), and each
+    one's distance from its answer's start."""
+    rows, cols, offsets = [], [], []
     for row, example in enumerate(group):
         span = range(example.start, len(example.ids) - 1)
         rows += [row] * len(span)
         cols += list(span)
-    index = (torch.tensor(rows), torch.tensor(cols))
-    truth = torch.stack([e.features[c] for e, c in ((group[r], c) for r, c in zip(rows, cols, strict=True))])
+        offsets += [c - example.start for c in span]
+    return (torch.tensor(rows), torch.tensor(cols)), torch.tensor(offsets)
+
+
+def loss_of(
+    draft: FeatureDraft, group: list[Example], zero_prompt: list[bool], noise: float, gen: Any, depth: int = 1
+) -> torch.Tensor:
+    """Cross-entropy of the target's head distribution (over the draft's tokens) plus the smooth-L1 distance of
+    the draft's outputs from the target's features, over answer positions, averaged over ``depth`` passes of
+    training-time test (:mod:`ead_llm.drafts.unroll`): pass ``j`` counts the positions at least ``j`` into an
+    answer, the ``j``-th token of a round that started there."""
+    ids, feats = inputs_of(group, zero_prompt, noise, gen)
+    outs, logits = unrolled(draft, ids, feats, depth)
+    index, offsets = _answer_index(group)
+    truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
     with torch.no_grad():
         teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
-    ce = -(teacher * torch.log_softmax(logits[index].float(), dim=-1)).sum(-1).mean()
-    return ce + F.smooth_l1_loss(out[index].float(), truth)
+    total = torch.zeros(())
+    for j, (out, sub) in enumerate(zip(outs, logits, strict=True)):
+        counted = offsets >= j
+        ce = -(teacher[counted] * torch.log_softmax(sub[index][counted].float(), dim=-1)).sum(-1).mean()
+        total = total + ce + F.smooth_l1_loss(out[index][counted].float(), truth[counted])
+    return total / depth
 
 
 @torch.no_grad()
-def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool = True) -> float:
-    """How often the draft's best token is the target's, over the answer positions of ``examples`` (teacher
-    forced: each position reads the target's feature of the one before; zero features over the prompt)."""
-    same = total = 0
+def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool = True, depth: int = 1) -> list[float]:
+    """How often the draft's best token is the target's over the answer positions of ``examples``, for each of
+    ``depth`` passes: pass 0 teacher forced (each position reads the target's feature of the one before; zero
+    features over the prompt), pass ``j`` as the ``j``-th token of a round (its own guesses before it), over the
+    positions at least ``j`` into an answer."""
+    same, total = [0] * depth, [0] * depth
     for group in batches(examples, 16):
         ids, feats = inputs_of(group, [zero_prompt] * len(group), 0.0, None)
-        _, logits = draft.draft_forward(ids, feats)
-        best = draft.vocab_index[logits.argmax(-1)]  # type: ignore[index]
-        for row, example in enumerate(group):
-            mine = best[row, example.start : len(example.ids) - 1]
-            same += int((mine == example.best).sum())
-            total += mine.numel()
-    return same / max(1, total)
+        _, logits = unrolled(draft, ids, feats, depth)
+        for j, sub in enumerate(logits):
+            best = draft.vocab_index[sub.argmax(-1)]  # type: ignore[index]
+            for row, example in enumerate(group):
+                mine = best[row, example.start + j : len(example.ids) - 1]
+                same[j] += int((mine == example.best[j:]).sum())
+                total[j] += mine.numel()
+    return [s / max(1, t) for s, t in zip(same, total, strict=True)]
+
+
+REPORTED_STEPS = 3
+"""Tokens of a round whose agreement the card reports (the first teacher forced, the later on the draft's own)."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -322,7 +345,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check parsed options (a ``ValueError`` naming the option) and distill; return the card."""
-    for name in ("steps", "layers", "vocab", "samples", "questions", "max_tokens", "batch", "threads"):
+    for name in ("steps", "layers", "vocab", "samples", "questions", "max_tokens", "batch", "depth", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -362,6 +385,7 @@ def distill(
     max_tokens: int = 128,
     lr: float = 1e-3,
     batch: int = 16,
+    depth: int = 1,
     threads: int | None = None,
     data: str | None = None,
     exclude: str | None = None,
@@ -410,7 +434,7 @@ def distill(
     torch.manual_seed(seed)
     draft = new_draft(target, index, layers).float()
     del target
-    before = agreement(draft.eval(), held)
+    before = agreement(draft.eval(), held)[0]
     data_s = time.perf_counter() - started
     log(
         f"data: {len(train)} answers to train on, {len(held)} to {len(held_questions)} held-out questions, "
@@ -443,7 +467,7 @@ def distill(
             for setting in optimizer.param_groups:
                 setting["lr"] = lr * warm * (0.05 + 0.475 * (1.0 + math.cos(math.pi * min(1.0, done))))
             zero_prompt = [rng.random() < 0.75 for _ in group]
-            loss = loss_of(draft, group, zero_prompt, 0.2, generator)
+            loss = loss_of(draft, group, zero_prompt, 0.2, generator, depth)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -456,9 +480,9 @@ def distill(
     draft.eval()
     for param in draft.parameters():
         param.requires_grad = False
-    after = agreement(draft, held)
-    after_real_prompt = agreement(draft, held, zero_prompt=False)
-    after_greedy = agreement(draft, [e for e in held if e.sample == 0])
+    after = agreement(draft, held, depth=REPORTED_STEPS)
+    after_real_prompt = agreement(draft, held, zero_prompt=False)[0]
+    after_greedy = agreement(draft, [e for e in held if e.sample == 0], depth=REPORTED_STEPS)
     card = {
         "target": source,
         "design": f"{layers} decoder layer(s) over the target's final hidden states and token embeddings "
@@ -466,7 +490,8 @@ def distill(
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
         "data": f"{len(train)} answers the target wrote to {len(kept) - len(held_questions)} seeded chat questions "
         f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",
-        "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features",
+        "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features"
+        + (f", over {depth} passes of training-time test" if depth > 1 else ""),
         "steps": done_steps,
         "target_tokens": tokens,
         "lr": lr,
@@ -478,9 +503,11 @@ def distill(
         "held_out_answers": len(held),
         "head_coverage": round(coverage, 4),
         "top1_agreement_before": round(before, 4),
-        "top1_agreement_after": round(after, 4),
+        "top1_agreement_after": round(after[0], 4),
         "top1_agreement_after_with_prompt_features": round(after_real_prompt, 4),
-        "top1_agreement_after_greedy_answers": round(after_greedy, 4),
+        "top1_agreement_after_greedy_answers": round(after_greedy[0], 4),
+        "top1_agreement_by_round_token": [round(a, 4) for a in after],
+        "top1_agreement_by_round_token_greedy_answers": [round(a, 4) for a in after_greedy],
         "own_parameters": sum(v.numel() for k, v in own_state(draft).items() if k != "vocab_index"),
     }
     save(draft, tokenizer, out, card)

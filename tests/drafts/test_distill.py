@@ -39,7 +39,7 @@ def _args(target: Path, out: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(target: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("distilled") / "draft"
-    card = distill.main(_args(target, out, "--seed", "3"))
+    card = distill.main(_args(target, out, "--seed", "3", "--depth", "2"))
     return out, card
 
 
@@ -49,6 +49,9 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     assert card["held_out_questions"] == 1 and card["held_out_answers"] == 2  # 10% of 12 questions, 2 answers each
     assert 0.0 <= card["top1_agreement_before"] <= 1.0 and 0.0 <= card["top1_agreement_after"] <= 1.0
     assert 0.0 <= card["top1_agreement_after_greedy_answers"] <= 1.0
+    assert card["top1_agreement_by_round_token"][0] == card["top1_agreement_after"]
+    assert len(card["top1_agreement_by_round_token_greedy_answers"]) == distill.REPORTED_STEPS
+    assert "2 passes of training-time test" in card["objective"]
     assert 0.0 < card["head_coverage"] <= 1.0
     assert (out / "draft_card.json").is_file() and "top1_agreement_after" in (out / "README.md").read_text()
     from transformers import AutoModelForCausalLM
@@ -80,7 +83,7 @@ def test_the_distilled_draft_decodes_losslessly_beside_its_target(target: Path, 
 def test_the_same_seed_gives_the_same_draft_and_its_own_weights_round_trip(
     target: Path, trained: tuple[Path, dict], tmp_path: Path
 ) -> None:
-    again = distill.main(_args(target, tmp_path / "again", "--seed", "3"))
+    again = distill.main(_args(target, tmp_path / "again", "--seed", "3", "--depth", "2"))
     first = load_file(str(trained[0] / "model.safetensors"))
     second = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
@@ -117,6 +120,7 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
         (["--steps", "0"], "--steps must be at least 1"),
         (["--vocab", "-3"], "--vocab must be at least 1"),
         (["--layers", "0"], "--layers must be at least 1"),
+        (["--depth", "0"], "--depth must be at least 1"),
         (["--minutes", "0"], "--minutes and --lr must be positive"),
         (["--lr", "nan"], "--minutes and --lr must be positive"),
     ],

@@ -1,0 +1,57 @@
+"""Training-time test: every pass of :func:`unrolled` is what the draft computes when it drafts that token of a
+round, checked against the plain causal forward run on the inputs such a round gives it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ead_llm.drafts.model import FeatureDraft, FeatureDraftConfig, previous
+from ead_llm.drafts.unroll import unroll_mask, unrolled
+
+
+def _draft(layers: int) -> FeatureDraft:
+    torch.manual_seed(0)
+    config = FeatureDraftConfig(
+        draft_vocab_size=40,
+        num_hidden_layers=layers,
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    return FeatureDraft(config).eval()
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_each_pass_is_the_draft_writing_that_token_of_a_round(layers: int) -> None:
+    draft = _draft(layers)
+    length, depth = 9, 3
+    ids = torch.randint(0, 50, (2, length))
+    features = previous(torch.randn(2, length, 32))
+    with torch.no_grad():
+        outs, logits = unrolled(draft, ids, features, depth)
+        plain_out, plain_logits = draft.draft_forward(ids, features)
+        torch.testing.assert_close(outs[0], plain_out)
+        torch.testing.assert_close(logits[0], plain_logits)
+        for start in range(length - depth + 1):  # a round that starts reading the target's feature at `start`
+            reading = features.clone()
+            for j in range(1, depth):  # its j-th token reads its own output one position back
+                p = start + j
+                reading[:, p] = draft.draft_forward(ids[:, :p], reading[:, :p])[0][:, -1]
+                out, sub = draft.draft_forward(ids[:, : p + 1], reading[:, : p + 1])
+                torch.testing.assert_close(outs[j][:, p], out[:, -1])
+                torch.testing.assert_close(logits[j][:, p], sub[:, -1])
+
+
+def test_the_mask_reads_the_targets_past_and_the_rounds_own_positions() -> None:
+    mask = unroll_mask(5, 3)
+    assert mask.shape == (3, 5, 15)
+    assert torch.equal(mask[0, :, :5], torch.ones(5, 5, dtype=torch.bool).tril())  # pass 0: causal
+    assert not mask[0, :, 5:].any()
+    # pass 2 at position 4: pass 0 up to 2, pass 1 at 3, pass 2 at 4
+    assert mask[2, 4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    with pytest.raises(ValueError, match="depth"):
+        unrolled(_draft(1), torch.zeros((1, 3), dtype=torch.long), torch.zeros(1, 3, 32), 0)
