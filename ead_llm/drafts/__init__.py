@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1,
         help="passes of training-time test: the draft also trained on its own guesses (default 1: teacher forced)",
     )
+    p.add_argument(
+        "--bfloat16",
+        action="store_true",
+        help="train under bfloat16 autocast (weights and optimiser stay float32; faster where the CPU has bfloat16)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
         "--data",

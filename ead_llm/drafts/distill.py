@@ -301,16 +301,16 @@ def loss_of(
     training-time test (:mod:`ead_llm.drafts.unroll`): pass ``j`` counts the positions at least ``j`` into an
     answer, the ``j``-th token of a round that started there."""
     ids, feats = inputs_of(group, zero_prompt, noise, gen)
-    outs, logits = unrolled(draft, ids, feats, depth)
     index, offsets = _answer_index(group)
     truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
     with torch.no_grad():
         teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
     total = torch.zeros(())
-    for j, (out, sub) in enumerate(zip(outs, logits, strict=True)):
+    for j, out in enumerate(unrolled(draft, ids, feats, depth)):
         counted = offsets >= j
-        ce = -(teacher[counted] * torch.log_softmax(sub[index][counted].float(), dim=-1)).sum(-1).mean()
-        total = total + ce + F.smooth_l1_loss(out[index][counted].float(), truth[counted])
+        guess = out[index][counted]
+        ce = -(teacher[counted] * torch.log_softmax(draft.head(guess).float(), dim=-1)).sum(-1).mean()
+        total = total + ce + F.smooth_l1_loss(guess.float(), truth[counted])
     return total / depth
 
 
@@ -323,9 +323,8 @@ def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool
     same, total = [0] * depth, [0] * depth
     for group in batches(examples, 16):
         ids, feats = inputs_of(group, [zero_prompt] * len(group), 0.0, None)
-        _, logits = unrolled(draft, ids, feats, depth)
-        for j, sub in enumerate(logits):
-            best = draft.vocab_index[sub.argmax(-1)]  # type: ignore[index]
+        for j, out in enumerate(unrolled(draft, ids, feats, depth)):
+            best = draft.vocab_index[draft.head(out).argmax(-1)]  # type: ignore[index]
             for row, example in enumerate(group):
                 mine = best[row, example.start + j : len(example.ids) - 1]
                 same[j] += int((mine == example.best[j:]).sum())
@@ -386,6 +385,7 @@ def distill(
     lr: float = 1e-3,
     batch: int = 16,
     depth: int = 1,
+    bfloat16: bool = False,
     threads: int | None = None,
     data: str | None = None,
     exclude: str | None = None,
@@ -467,7 +467,8 @@ def distill(
             for setting in optimizer.param_groups:
                 setting["lr"] = lr * warm * (0.05 + 0.475 * (1.0 + math.cos(math.pi * min(1.0, done))))
             zero_prompt = [rng.random() < 0.75 for _ in group]
-            loss = loss_of(draft, group, zero_prompt, 0.2, generator, depth)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
+                loss = loss_of(draft, group, zero_prompt, 0.2, generator, depth)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -496,6 +497,7 @@ def distill(
         "target_tokens": tokens,
         "lr": lr,
         "batch": batch,
+        "precision": "bfloat16 autocast" if bfloat16 else "float32",
         "seed": seed,
         "budget": f"{steps} steps" if steps is not None else f"{minutes:g} minutes",
         "seconds_total": round(time.perf_counter() - started),

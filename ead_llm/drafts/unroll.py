@@ -36,12 +36,10 @@ def unroll_mask(length: int, depth: int) -> torch.Tensor:
     return first | later
 
 
-def unrolled(
-    draft: FeatureDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def unrolled(draft: FeatureDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
     """``input_ids`` [B, T]; ``features`` [B, T, H] as :meth:`FeatureDraft.draft_forward` reads them. Returns, for
-    each pass ``j < depth``, the draft's outputs [B, T, H] and head logits [B, T, K]; pass 0 is
-    ``draft_forward``'s."""
+    each pass ``j < depth``, the draft's outputs [B, T, H] (pass 0's are ``draft_forward``'s; ``draft.head`` of an
+    output gives its logits, left to the caller, who needs them at few positions)."""
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
     batch, length = input_ids.shape
@@ -50,7 +48,7 @@ def unrolled(
     mask = unroll_mask(length, depth).to(input_ids.device)
     keys: list[list[torch.Tensor]] = [[] for _ in draft.layers]
     values: list[list[torch.Tensor]] = [[] for _ in draft.layers]
-    outs, logits = [], []
+    outs = []
     reading = features.to(draft.fc.weight.dtype)
     for j in range(depth):
         x = draft.fc(torch.cat((embedded, reading), dim=-1))
@@ -76,6 +74,5 @@ def unrolled(
             x = x + layer.mlp(layer.post_attention_layernorm(x))  # type: ignore[operator]
         out = draft.norm(x)
         outs.append(out)
-        logits.append(draft.head(out))
         reading = previous(out)
-    return outs, logits
+    return outs

@@ -36,10 +36,14 @@ def _args(target: Path, out: Path, *extra: str) -> list[str]:
     return ["--large", str(target), "--out", str(out), "--steps", "2", "--threads", "1", *small, *extra]
 
 
+TRAINED = ("--seed", "3", "--depth", "2", "--bfloat16")
+"""The fixture's draft: training-time test over 2 passes, under bfloat16 autocast."""
+
+
 @pytest.fixture(scope="module")
 def trained(target: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("distilled") / "draft"
-    card = distill.main(_args(target, out, "--seed", "3", "--depth", "2"))
+    card = distill.main(_args(target, out, *TRAINED))
     return out, card
 
 
@@ -51,7 +55,7 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     assert 0.0 <= card["top1_agreement_after_greedy_answers"] <= 1.0
     assert card["top1_agreement_by_round_token"][0] == card["top1_agreement_after"]
     assert len(card["top1_agreement_by_round_token_greedy_answers"]) == distill.REPORTED_STEPS
-    assert "2 passes of training-time test" in card["objective"]
+    assert "2 passes of training-time test" in card["objective"] and card["precision"] == "bfloat16 autocast"
     assert 0.0 < card["head_coverage"] <= 1.0
     assert (out / "draft_card.json").is_file() and "top1_agreement_after" in (out / "README.md").read_text()
     from transformers import AutoModelForCausalLM
@@ -83,7 +87,7 @@ def test_the_distilled_draft_decodes_losslessly_beside_its_target(target: Path, 
 def test_the_same_seed_gives_the_same_draft_and_its_own_weights_round_trip(
     target: Path, trained: tuple[Path, dict], tmp_path: Path
 ) -> None:
-    again = distill.main(_args(target, tmp_path / "again", "--seed", "3", "--depth", "2"))
+    again = distill.main(_args(target, tmp_path / "again", *TRAINED))
     first = load_file(str(trained[0] / "model.safetensors"))
     second = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)

@@ -32,18 +32,15 @@ def test_each_pass_is_the_draft_writing_that_token_of_a_round(layers: int) -> No
     ids = torch.randint(0, 50, (2, length))
     features = previous(torch.randn(2, length, 32))
     with torch.no_grad():
-        outs, logits = unrolled(draft, ids, features, depth)
-        plain_out, plain_logits = draft.draft_forward(ids, features)
-        torch.testing.assert_close(outs[0], plain_out)
-        torch.testing.assert_close(logits[0], plain_logits)
+        outs = unrolled(draft, ids, features, depth)
+        torch.testing.assert_close(outs[0], draft.draft_forward(ids, features)[0])
         for start in range(length - depth + 1):  # a round that starts reading the target's feature at `start`
             reading = features.clone()
             for j in range(1, depth):  # its j-th token reads its own output one position back
                 p = start + j
                 reading[:, p] = draft.draft_forward(ids[:, :p], reading[:, :p])[0][:, -1]
-                out, sub = draft.draft_forward(ids[:, : p + 1], reading[:, : p + 1])
+                out = draft.draft_forward(ids[:, : p + 1], reading[:, : p + 1])[0]
                 torch.testing.assert_close(outs[j][:, p], out[:, -1])
-                torch.testing.assert_close(logits[j][:, p], sub[:, -1])
 
 
 def test_the_mask_reads_the_targets_past_and_the_rounds_own_positions() -> None:
