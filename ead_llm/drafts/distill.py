@@ -550,4 +550,8 @@ def save(draft: FeatureDraft, tokenizer: Any, out: Path, card: dict[str, Any]) -
 
 
 if __name__ == "__main__":
-    main()
+    # Run the package's module, not this __main__ copy: the data file pickles Example by its module's name, and
+    # only ead_llm.drafts.distill.Example can be found again by `ead-llm distill` or another process.
+    from ead_llm.drafts.distill import main as _main
+
+    _main()

@@ -172,6 +172,19 @@ def test_answers_are_kept_before_the_features_and_reused(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_data_file_written_by_python_m_is_read_by_the_package(target: Path, tmp_path: Path) -> None:
+    """``python -m ead_llm.drafts.distill`` keeps its data under the package's class names, so ``ead-llm distill``
+    (or any other process) can reuse the file."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "data.pt"
+    argv = [sys.executable, "-m", "ead_llm.drafts.distill", *_args(target, tmp_path / "a", "--data", str(data))]
+    subprocess.run(argv, check=True, capture_output=True, timeout=600)
+    examples = torch.load(data, weights_only=False)
+    assert examples and all(type(e) is distill.Example for e in examples)
+
+
 def test_ship_draft_writes_what_fast_draft_assembles(
     target: Path, trained: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
