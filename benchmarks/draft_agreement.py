@@ -36,7 +36,8 @@ def main() -> None:
     target_dir = str(smollm2.full_model())
     draft_dir = args.draft or str(smollm2.fast_draft())
     asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
-    examples = written(target_dir, asked, args.seed, args.samples, args.max_tokens, None)
+    wanted = [(q, k) for q in range(len(asked)) for k in range(args.samples)]
+    examples = written(target_dir, asked, wanted, args.seed, args.max_tokens, None)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     read_features(target, examples)
     del target

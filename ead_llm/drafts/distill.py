@@ -185,9 +185,11 @@ class Example:
 
 
 def written(
-    model_dir: str, prompts: list[str], seed: int, samples: int, max_tokens: int, dtype: str | None
+    model_dir: str, prompts: list[str], wanted: list[tuple[int, int]], seed: int, max_tokens: int, dtype: str | None
 ) -> list[Example]:
-    """The target's answers through the engine: sample 0 greedy, the others at temperature 0.8, top-p 0.95."""
+    """The target's answers through the engine to each ``(question, sample)`` of ``wanted`` (indices into
+    ``prompts``): sample 0 greedy, the others at temperature 0.8, top-p 0.95, each seeded by ``seed`` and its sample
+    index (the same answer whatever else is asked with it)."""
     from ead_llm import LargeOnly
     from ead_llm.adapters.prompts import render
     from ead_llm.core.engine import Engine
@@ -197,15 +199,14 @@ def written(
     engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
     try:
         requests, owners = [], []
-        for q, prompt in enumerate(prompts):
-            rendered = render(engine.tokenizer, [("user", prompt)], "chat")
-            for k in range(samples):
-                hot = k > 0
-                params = SamplingParams(
-                    temperature=0.8 if hot else 0.0, top_p=0.95 if hot else 1.0, max_tokens=max_tokens, seed=seed
-                )
-                requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
-                owners.append(q)
+        for q, k in wanted:
+            rendered = render(engine.tokenizer, [("user", prompts[q])], "chat")
+            hot = k > 0
+            params = SamplingParams(
+                temperature=0.8 if hot else 0.0, top_p=0.95 if hot else 1.0, max_tokens=max_tokens, seed=seed
+            )
+            requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
+            owners.append(q)
         out = []
         for first in range(0, len(requests), 64):
             chunk = requests[first : first + 64]
@@ -216,6 +217,37 @@ def written(
         return out
     finally:
         engine.close()
+
+
+def gathered(
+    source: str, asked: list[str], kept: set[int], samples: int, seed: int, max_tokens: int, data: str | None
+) -> list[Example]:
+    """The target's answers (``samples`` to each ``kept`` question) with their features.
+
+    With ``data``, what the file holds is reused and only the missing answers are written (a second run with more
+    questions or samples adds to it), and the answers are kept beside it (``data + '.answers'``) until their
+    features are in it, so a run that dies while reading features starts again from them."""
+    from transformers import AutoModelForCausalLM
+
+    cached = Path(data) if data else None
+    answers = cached.with_name(cached.name + ".answers") if cached is not None else None
+    examples: list[Example] = torch.load(cached, weights_only=False) if cached and cached.exists() else []
+    pending: list[Example] = torch.load(answers, weights_only=False) if answers and answers.exists() else []
+    have = {(e.question, e.sample) for e in [*examples, *pending]}
+    missing = [(q, k) for q in sorted(kept) for k in range(samples) if (q, k) not in have]
+    if missing:
+        pending += written(source, asked, missing, seed, max_tokens, None)
+        if answers is not None:
+            torch.save(pending, answers)
+    if pending:
+        target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        read_features(target, pending)
+        del target
+        examples += pending
+        if cached is not None and answers is not None:
+            torch.save(examples, cached)
+            answers.unlink(missing_ok=True)
+    return [e for e in examples if e.question in kept and e.sample < samples]
 
 
 def batches(examples: list[Example], size: int) -> list[list[Example]]:
@@ -399,26 +431,10 @@ def distill(
         torch.set_num_threads(threads)
     started = time.perf_counter()
     asked = questions_of(seed, questions)
-    cached = Path(data) if data else None
-    answers = cached.with_name(cached.name + ".answers") if cached is not None else None
-    if cached is not None and cached.exists():
-        examples = torch.load(cached, weights_only=False)
-    else:
-        if answers is not None and answers.exists():  # the answers of a run that stopped before the features
-            examples = torch.load(answers, weights_only=False)
-        else:
-            examples = written(source, asked, seed, samples, max_tokens, None)
-            if answers is not None:
-                torch.save(examples, answers)
-        target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-        read_features(target, examples)
-        del target
-        if cached is not None:
-            torch.save(examples, cached)
+    kept = excluded(asked, exclude)
+    examples = gathered(source, asked, kept, samples, seed, max_tokens, data)
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
-    kept = excluded(asked, exclude)
-    examples = [e for e in examples if e.question in kept]
     rng = random.Random(seed)
     held_questions = held_out(kept, rng)
     held = [e for e in examples if e.question in held_questions]

@@ -152,24 +152,56 @@ def test_the_cli_has_the_subcommand() -> None:
 def test_answers_are_kept_before_the_features_and_reused(
     target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A run that stops after the answers (killed while reading features) resumes from them: the target is not
-    asked again, and the draft is the one an uninterrupted run makes."""
+    """A run that dies while reading features resumes from the answers it kept: the target is not asked again,
+    and the draft is the one an uninterrupted run makes."""
+    whole = distill.main(_args(target, tmp_path / "a"))
     data = tmp_path / "data.pt"
-    whole = distill.main(_args(target, tmp_path / "a", "--data", str(data)))
-    assert data.is_file() and (tmp_path / "data.pt.answers").is_file()
-    answers = torch.load(tmp_path / "data.pt.answers", weights_only=False)
-    assert [e.sample for e in answers] == [0, 1] * 12  # each question's greedy answer, then its sampled one
-    data.unlink()  # as if the run had died after writing its answers
+    answers = tmp_path / "data.pt.answers"
+    read = distill.read_features
+
+    def killed(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "read_features", killed)
+    with pytest.raises(KeyboardInterrupt):
+        distill.main(_args(target, tmp_path / "x", "--data", str(data)))
+    assert answers.is_file() and not data.exists()
+    kept = torch.load(answers, weights_only=False)
+    assert [e.sample for e in kept] == [0, 1] * 12  # each question's greedy answer, then its sampled one
 
     def asked_again(*args: object, **kwargs: object) -> None:
         raise AssertionError("the target wrote its answers again")
 
+    monkeypatch.setattr(distill, "read_features", read)
     monkeypatch.setattr(distill, "written", asked_again)
     resumed = distill.main(_args(target, tmp_path / "b", "--data", str(data)))
-    assert data.is_file()
+    assert data.is_file() and not answers.exists()  # the answers are in the data file now
     assert resumed["top1_agreement_after"] == whole["top1_agreement_after"]
     a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_second_run_adds_only_the_missing_answers(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More samples or questions than the data file holds: only those are written, and the file then holds the
+    answers a single run would have written."""
+    data = tmp_path / "data.pt"
+    distill.main(_args(target, tmp_path / "a", "--data", str(data), "--samples", "1", "--questions", "8"))
+    asked: list[list[tuple[int, int]]] = []
+    write = distill.written
+
+    def counted(source: str, prompts: list[str], wanted: list[tuple[int, int]], *rest: object) -> list:
+        asked.append(list(wanted))
+        return write(source, prompts, wanted, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(distill, "written", counted)
+    grown = distill.main(_args(target, tmp_path / "b", "--data", str(data)))  # 12 questions, 2 samples
+    assert asked == [[(q, k) for q in range(12) for k in range(2) if q >= 8 or k == 1]]
+    distill.main(_args(target, tmp_path / "c", "--data", str(tmp_path / "single.pt")))
+    assert grown["held_out_answers"] == 2
+    by_key = {(e.question, e.sample): e.ids for e in torch.load(data, weights_only=False)}
+    assert by_key == {(e.question, e.sample): e.ids for e in torch.load(tmp_path / "single.pt", weights_only=False)}
 
 
 def test_a_data_file_written_by_python_m_is_read_by_the_package(target: Path, tmp_path: Path) -> None:
