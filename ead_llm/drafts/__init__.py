@@ -29,6 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="passes of training-time test: the draft also trained on its own guesses (default 1: teacher forced)",
     )
     p.add_argument(
+        "--unroll-from",
+        type=float,
+        default=0.5,
+        help="share of training done teacher forced before training-time test begins (default 0.5)",
+    )
+    p.add_argument(
         "--bfloat16",
         action="store_true",
         help="train under bfloat16 autocast (weights and optimiser stay float32; faster where the CPU has bfloat16)",

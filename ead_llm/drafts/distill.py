@@ -11,7 +11,10 @@
    stay the target's) to minimise the cross-entropy of the target's distribution (restricted to the head's tokens)
    plus a smooth-L1 pull of its output toward the target's feature, for ``minutes`` or ``steps`` steps (AdamW, a
    cosine decay). Prompt positions mostly get zero features, as in the engine when the draft reads a prompt
-   before the target.
+   before the target. With ``depth`` above 1, training-time test (:mod:`ead_llm.drafts.unroll`) takes over from
+   ``unroll_from`` of training: the loss then also covers the second to ``depth``-th token of a round, drafted on
+   the draft's own guesses of the features (teacher forced first: the cheaper passes reach the first token's
+   agreement sooner, and the unrolled ones then lift the later tokens').
 4. Top-1 agreement with the target is measured on answers to held-out questions (not only held-out answers),
    and the draft's own weights are saved with a card; the target's embeddings are copied in when it is
    assembled (:func:`ead_llm.drafts.model.assemble`).
@@ -112,6 +115,70 @@ TOPICS = [
     "planes",
     "history",
 ]
+MORE_TOPICS = [
+    "snow",
+    "whales",
+    "the brain",
+    "bridges",
+    "cheese",
+    "spiders",
+    "the Moon landing",
+    "magnets",
+    "kites",
+    "batteries",
+    "tigers",
+    "the Great Wall of China",
+    "wind",
+    "chocolate",
+    "ants",
+    "telescopes",
+    "the Amazon rainforest",
+    "pyramids",
+    "lightning",
+    "rice",
+    "octopuses",
+    "the calendar",
+    "thunderstorms",
+    "elephants",
+    "paper",
+    "clocks",
+    "coral reefs",
+    "jazz",
+    "the stock market",
+    "fire",
+    "salt",
+    "sharks",
+    "the Olympics",
+    "tornadoes",
+    "apples",
+    "butterflies",
+    "airports",
+    "stars",
+    "the human skeleton",
+    "wolves",
+    "newspapers",
+    "yoga",
+    "lakes",
+    "pizza",
+    "submarines",
+    "volunteering",
+    "frogs",
+    "the water cycle",
+    "kangaroos",
+    "cars",
+    "shoes",
+    "the telephone",
+    "mushrooms",
+    "camping",
+    "comets",
+    "museums",
+    "bees and flowers",
+    "oxygen",
+    "painting",
+    "the wheel",
+]
+"""Topics asked after the first set (in their own seeded order after it, so the first questions keep their
+indices and an earlier data file stays valid)."""
 TEMPLATES = (
     "Tell me one interesting fact about {t}.",
     "Explain {t} to a child in two sentences.",
@@ -167,7 +234,9 @@ def questions(seed: int) -> list[str]:
     out += [template.format(c=country) for country in COUNTRIES for template in FACTS]
     out += [rng.choice(ARITHMETIC).format(a=rng.randint(2, 99), b=rng.randint(2, 99)) for _ in range(150)]
     rng.shuffle(out)
-    return out
+    more = [template.format(t=topic) for topic in MORE_TOPICS for template in TEMPLATES]
+    rng.shuffle(more)
+    return out + more
 
 
 @dataclass
@@ -382,6 +451,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not args.minutes > 0 or not args.lr > 0:
         raise ValueError(f"--minutes and --lr must be positive, got {args.minutes} and {args.lr}")
+    if not 0.0 <= args.unroll_from < 1.0:
+        raise ValueError(f"--unroll-from is a share of training in [0, 1), got {args.unroll_from}")
     from ead_llm.core.sources import check_source, model_source
 
     source = model_source("--large", args.large)
@@ -417,6 +488,7 @@ def distill(
     lr: float = 1e-3,
     batch: int = 16,
     depth: int = 1,
+    unroll_from: float = 0.5,
     bfloat16: bool = False,
     threads: int | None = None,
     data: str | None = None,
@@ -484,7 +556,8 @@ def distill(
                 setting["lr"] = lr * warm * (0.05 + 0.475 * (1.0 + math.cos(math.pi * min(1.0, done))))
             zero_prompt = [rng.random() < 0.75 for _ in group]
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
-                loss = loss_of(draft, group, zero_prompt, 0.2, generator, depth)
+                passes = depth if done >= unroll_from else 1
+                loss = loss_of(draft, group, zero_prompt, 0.2, generator, passes)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -508,7 +581,7 @@ def distill(
         "data": f"{len(train)} answers the target wrote to {len(kept) - len(held_questions)} seeded chat questions "
         f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",
         "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features"
-        + (f", over {depth} passes of training-time test" if depth > 1 else ""),
+        + (f", over {depth} passes of training-time test from {unroll_from:g} of training on" if depth > 1 else ""),
         "steps": done_steps,
         "target_tokens": tokens,
         "lr": lr,

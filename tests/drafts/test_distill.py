@@ -125,6 +125,7 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
         (["--vocab", "-3"], "--vocab must be at least 1"),
         (["--layers", "0"], "--layers must be at least 1"),
         (["--depth", "0"], "--depth must be at least 1"),
+        (["--unroll-from", "1"], "--unroll-from is a share of training in [0, 1)"),
         (["--minutes", "0"], "--minutes and --lr must be positive"),
         (["--lr", "nan"], "--minutes and --lr must be positive"),
     ],
@@ -235,3 +236,19 @@ def test_ship_draft_writes_what_fast_draft_assembles(
     original = AutoModelForCausalLM.from_pretrained(trained[0])
     for name, weight in original.state_dict().items():  # the own weights went through float16
         assert torch.allclose(rebuilt.state_dict()[name].float(), weight.float(), atol=1e-3), name
+
+
+def test_training_time_test_takes_over_at_its_share_of_training(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used: list[int] = []
+    loss_of = distill.loss_of
+
+    def recorded(*args: object) -> torch.Tensor:
+        used.append(int(args[-1]))  # type: ignore[call-overload]
+        return loss_of(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(distill, "loss_of", recorded)
+    args = _args(target, tmp_path / "d", "--depth", "3", "--unroll-from", "0.5")
+    distill.main([*args[: args.index("--steps")], "--steps", "4", *args[args.index("--steps") + 2 :]])
+    assert used == [1, 1, 3, 3]
