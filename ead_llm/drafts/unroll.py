@@ -4,7 +4,8 @@ A feature-reading draft writes the ``j``-th token of a round (``j`` from 0) at p
 output at ``p - 1`` (its guess of the target's feature there) where ``j > 0``. Its attention then sees the
 positions up to ``p - j`` as it read them with the target's features, and its own ``j`` earlier positions of the
 round as it wrote them. Teacher forcing (every position reading the target's feature) trains only ``j = 0``;
-measured on the shipped SmolLM2 draft, 65% of its first drafts stood and a third of the later ones.
+measured on the SmolLM2 draft shipped before it (teacher forced), 65% of its first drafts stood and a third of
+the later ones.
 
 :func:`unrolled` runs ``depth`` such passes over whole sequences at once: pass ``j`` reads pass ``j - 1``'s outputs
 one position back, and attends to pass 0's keys up to ``p - j`` and to pass ``i``'s key at ``p - j + i`` for
