@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from ead_llm.core.transfer import upload
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -344,7 +346,7 @@ def mask_rows(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> N
     if rows == list(range(logits.shape[0])):
         apply_bitmask(logits.view(-1, vocab), bitmask.reshape(-1, words))
         return
-    index = torch.tensor(rows, device=logits.device)
+    index = upload(rows, torch.int64, logits.device)
     part = logits.index_select(0, index)
     apply_bitmask(part.view(-1, vocab), bitmask.reshape(-1, words))
     logits.index_copy_(0, index, part)

@@ -40,6 +40,7 @@ from ead_llm.core.fused_llama import FusedLlama
 from ead_llm.core.fused_llama import supports as supports_fused
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadedModel
+from ead_llm.core.transfer import upload
 from ead_llm.core.types import ForwardWork, Role
 
 ATTENTION = "ead_paged"
@@ -238,7 +239,7 @@ class PackedBatch:
         out = []
         for blocks, start, count in zip(self.blocks, self.starts, self.counts, strict=True):
             slots = [blocks[p // size] * size + p % size for p in range(start + count)]
-            out.append(keys[:, torch.tensor(slots, dtype=torch.long, device=keys.device)].transpose(0, 1))
+            out.append(keys[:, upload(slots, torch.long, keys.device)].transpose(0, 1))
         return out
 
 
@@ -330,12 +331,12 @@ class RunnerOutput:
         index = [self.start[i] + self.reads[i] - 1 for i in rows]
         if index == list(range(self.logits.shape[0])):
             return self.logits
-        return self.logits.index_select(0, torch.tensor(index, device=self.logits.device))
+        return self.logits.index_select(0, upload(index, torch.long, self.logits.device))
 
     def padded_rows(self, rows: list[int], width: int) -> torch.Tensor:
         """``[R, width, V]`` logits of each of ``rows``' reads, its last one repeated past its end."""
         index = [[self.start[i] + min(j, self.reads[i] - 1) for j in range(width)] for i in rows]
-        return self.logits[torch.tensor(index, device=self.logits.device)]
+        return self.logits[upload(index, torch.long, self.logits.device)]
 
 
 def check_full_attention(source: str, config: Any) -> None:
@@ -504,7 +505,7 @@ class ModelRunner:
         out = torch.zeros((tokens, self._draft.hidden), dtype=self._draft.fc.weight.dtype, device=self.device)
         for (index, slots), cache in ((theirs, self._target_cache), (mine, self.cache)):
             if index:
-                where = torch.tensor([index, slots], dtype=torch.long, device=self.device)
+                where = upload([index, slots], torch.long, self.device)
                 out[where[0]] = cache.read_features(where[1]).to(out.dtype)
         return out
 
@@ -563,7 +564,7 @@ class ModelRunner:
                 gathered[count > 1].append(b)
             at += count
             ends[i] = at
-        inputs = torch.tensor([ids, positions, slots], dtype=torch.long, device=self.device)  # [3, T]
+        inputs = upload([ids, positions, slots], torch.long, self.device)  # [3, T]
         groups = [
             self._group([ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=only)
             for part in gathered
@@ -584,7 +585,7 @@ class ModelRunner:
             keep = []
             for row, end in zip(rows, ends, strict=True):
                 keep.extend(range(end - row.read, end))
-        return batch, inputs[0], inputs[1], torch.tensor(keep, dtype=torch.long, device=self.device), order
+        return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order
 
     def _alone(
         self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool, blocks_used: int
@@ -623,33 +624,37 @@ class ModelRunner:
         ends = [s + c for s, c in zip(starts, counts, strict=True)]
         width, length = max(counts), max(ends)
         used = self.cache.blocks_for(length)
-        tables = torch.tensor(
-            [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows],
-            dtype=torch.long,
-            device=device,
-        )  # [B, M]
-        end = torch.tensor(ends, dtype=torch.long, device=device)
+        tables = [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows]  # [B, M]
+        # one copy to the device for the group's per-row numbers, tables flattened after them
+        flat = [k for table in tables for k in table]
+        per_row = upload([*ends, *offsets, *counts, *starts, *flat], torch.long, device)
+        b = len(rows)
+        end, offset, count, start = (per_row[k * b : (k + 1) * b] for k in range(4))
+        table = per_row[4 * b :].view(b, used)
         positions = torch.arange(length, device=device)
         # each row reads its own slots only: positions past its end repeat its last one (masked, but another
         # sequence's values there could be anything, and 0 * NaN is NaN)
         own = torch.minimum(positions, end[:, None] - 1)  # [B, L]
-        key_slots = (tables[:, :, None] * size + self._block_offsets).view(len(rows), -1).gather(1, own)  # [B, L]
+        key_slots = (table[:, :, None] * size + self._block_offsets).view(b, -1).gather(1, own)  # [B, L]
         if width == 1:
             mask = None
             if min(ends) < length:  # some rows are shorter: hide the positions past their end
                 mask = (positions < end[:, None])[:, None, None, :]
             if whole:
                 return AttentionGroup(None, key_slots, mask, None, None)
-            index = torch.tensor(offsets, dtype=torch.long, device=device)
-            return AttentionGroup(index[:, None], key_slots, mask, None, index)
-        count = torch.tensor(counts, dtype=torch.long, device=device)  # [B]
+            return AttentionGroup(offset[:, None], key_slots, mask, None, offset)
         cols = torch.arange(width, device=device)
         last = torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
-        query_pos = torch.tensor(starts, dtype=torch.long, device=device)[:, None] + last  # [B, W]
+        query_pos = start[:, None] + last  # [B, W]
         mask = (positions[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
         if whole:
             return AttentionGroup(None, key_slots, mask, None, None)
-        offset = torch.tensor(offsets, dtype=torch.long, device=device)
         query_index = offset[:, None] + last  # [B, W]
-        real_rows, real_cols = torch.nonzero(cols[None, :] < count[:, None], as_tuple=True)
+        # the real (row, column) pairs, known on the host: no data-dependent nonzero on the device
+        real = upload(
+            [[r for r, c in enumerate(counts) for _ in range(c)], [j for c in counts for j in range(c)]],
+            torch.long,
+            device,
+        )
+        real_rows, real_cols = real[0], real[1]
         return AttentionGroup(query_index, key_slots, mask, (real_rows, real_cols), query_index[real_rows, real_cols])

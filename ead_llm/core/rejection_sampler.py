@@ -27,6 +27,7 @@ import torch
 
 from ead_llm.core.ops import entropy_bits, filtered_probs
 from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, uniforms
+from ead_llm.core.transfer import upload
 from ead_llm.core.types import DraftRound, RoundVerdict
 
 if TYPE_CHECKING:
@@ -204,7 +205,7 @@ def verify_batch(
     sampled = [p for p in params if p.temperature > 0]
 
     def column(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+        return upload(values, dtype, device)
 
     def padded(values: list[tuple[Any, ...]], fill: Any) -> list[list[Any]]:
         return [[*v, *[fill] * (gamma - len(v))] for v in values]

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from ead_llm.core.ops import apply_temperature, candidate_width, entropy_bits, kept_floor, top_k_entropy_nats
+from ead_llm.core.transfer import upload
 from ead_llm.core.types import Role, TokenSample
 
 CHUNK = 1024
@@ -133,6 +134,8 @@ class SamplingMetadata:
     max_top_k: int
     """Largest top-k of a sampled row (0: none uses top-k)."""
     any_top_p: bool
+    sampled_rows: torch.Tensor | None = None
+    """[S] int64 rows that sample (temperature > 0), known on the host; None when every row samples."""
 
     @staticmethod
     def build(
@@ -143,15 +146,18 @@ class SamplingMetadata:
         sampled = [t > 0 for t in temperature]
         if not any(sampled):
             return GREEDY
+        floats = upload([temperature, top_p], torch.float32, device)
+        ints = upload([top_k, keys, positions], torch.int64, device)
         return SamplingMetadata(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            keys=torch.tensor(keys, dtype=torch.int64, device=device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            all_greedy=not any(sampled),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            keys=ints[1],
+            positions=ints[2],
+            all_greedy=False,
             max_top_k=max((k for k, s in zip(top_k, sampled, strict=True) if s), default=0),
             any_top_p=any(p < 1.0 for p, s in zip(top_p, sampled, strict=True) if s),
+            sampled_rows=None if all(sampled) else upload([b for b, s in enumerate(sampled) if s], torch.int64, device),
         )
 
 
@@ -180,8 +186,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     greedy = torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
     if meta.all_greedy:
         return greedy
-    sampled = meta.temperature > 0
-    rows = None if bool(sampled.all()) else sampled.nonzero().flatten()  # only the sampled rows are filtered
+    rows = meta.sampled_rows  # only the sampled rows are filtered
 
     def pick(x: torch.Tensor) -> torch.Tensor:
         return x if rows is None else x[rows]
@@ -295,6 +300,6 @@ def branch_entropy(logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
         return top_k_entropy_nats(logits, top_ks[0])
     out = torch.empty(len(top_ks), device=logits.device)
     for k in set(top_ks):
-        index = torch.tensor([b for b, v in enumerate(top_ks) if v == k], device=logits.device)
+        index = upload([b for b, v in enumerate(top_ks) if v == k], torch.int64, logits.device)
         out[index] = top_k_entropy_nats(logits[index], k)
     return out
