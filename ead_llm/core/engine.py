@@ -17,7 +17,6 @@ sequences in :mod:`ead_llm.core.inputs`. Callers get one :class:`TokenEvent` per
 from __future__ import annotations
 
 import atexit
-import collections
 import logging
 import threading
 import weakref
@@ -28,7 +27,7 @@ import torch
 
 from ead_llm.core.frontend import Frontend
 from ead_llm.core.inputs import InputProcessor
-from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE
 from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
 from ead_llm.core.ops import entropy_bits, top_two
@@ -107,16 +106,6 @@ class Engine(Frontend):
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         _ENGINES.add(self)
-
-    def _caches(self) -> dict[Role, KVCache]:
-        return {
-            role: KVCache(
-                int(self.pair.model(role).model.config.num_hidden_layers),
-                block_size=self.kv_block_size,
-                max_tokens=self.kv_budget_tokens,
-            )
-            for role in Role
-        }
 
     def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
         """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
@@ -213,9 +202,7 @@ class Engine(Frontend):
         afresh (call with the lock held). Used when the engine closes or its own bookkeeping broke."""
         scheduler = self.scheduler
         calls = {seq.call: None for seq in [*scheduler.running, *scheduler.waiting]}
-        scheduler.fail_all(exc)
-        outbox = scheduler.take_outbox()
-        scheduler.running, scheduler.waiting = [], collections.deque()
+        outbox = scheduler.fail_all(exc)
         for cache in self.caches.values():
             cache.clear()
         for call in calls:  # what a whole-completion call had held goes first: finished requests keep their answers

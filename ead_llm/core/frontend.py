@@ -48,7 +48,14 @@ class Frontend:
 
     def _caches(self) -> dict[Role, KVCache]:
         """Each model's KV cache, built for the current limits."""
-        raise NotImplementedError
+        return {
+            role: KVCache(
+                int(self.pair.model(role).model.config.num_hidden_layers),
+                block_size=self.kv_block_size,
+                max_tokens=self.kv_budget_tokens,
+            )
+            for role in Role
+        }
 
     # -- settings, and what callers read ---------------------------------------------------------
 

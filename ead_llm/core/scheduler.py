@@ -310,10 +310,13 @@ class Scheduler:
         if call.fail_fast:  # its caller raises now: the rest of the call retires with this step
             call.cancelled = True
 
-    def fail_all(self, exc: BaseException) -> None:
-        """A fault outside any row: every running and waiting request fails with ``exc``."""
+    def fail_all(self, exc: BaseException) -> list[tuple[Call, Any]]:
+        """A fault outside any row: every running and waiting request fails with ``exc`` and leaves the queues;
+        returns the items not yet delivered (the failures among them)."""
         for seq in [*self.running, *self.waiting]:
             self.fail(seq, exc)
+        self.running, self.waiting = [], deque()
+        return self.take_outbox()
 
     def fork_room(self) -> ForkRoom:
         return ForkRoom(self)
