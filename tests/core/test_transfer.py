@@ -21,5 +21,5 @@ def test_upload_gives_the_values_dtype_and_device_of_a_plain_tensor(device: str)
 
 
 def test_ragged_values_are_refused_as_torch_refuses_them() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected sequence of length"):
         upload([[1, 2], [3]], torch.long, "cpu")
