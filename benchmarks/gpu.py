@@ -36,7 +36,13 @@ from ead_llm.policies.base import Policy
 from ead_llm.testing.tiny import big_vocab_tokenizer
 
 VOCAB = 151_936
-SYNC_LIMIT = {"large_only_b32": 1, "large_only_t0.8_b32": 1, "speculative_g4_b32": 2, "ead_b32": 2}
+SYNC_LIMIT = {
+    "large_only_b32": 1,
+    "large_only_t0.8_b32": 1,
+    "large_only_top_p_b32": 1,
+    "speculative_g4_b32": 2,
+    "ead_b32": 2,
+}
 """Most host syncs a decode step may take: one per pass (speculative decoding and EAD may run both models)."""
 
 
@@ -210,6 +216,7 @@ def run_pair(name: str, small_shape: Shape, large_shape: Shape, args: argparse.N
         counted: dict[str, tuple[Policy, dict[str, Any]]] = {
             **{label: (policy, {}) for label, policy in policies.items()},
             "large_only_t0.8": (LargeOnly(), {"temperature": 0.8, "seed": 0}),
+            "large_only_top_p": (LargeOnly(), {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 0}),
         }
         for label, (policy, sampling) in counted.items():
             rows[f"host_syncs_{label}_b32"] = host_syncs(engine, prompts, policy, min(args.tokens, 32), **sampling)

@@ -20,7 +20,14 @@ from typing import Any, Protocol
 
 import torch
 
-from ead_llm.core.ops import apply_temperature, candidate_width, entropy_bits, kept_floor, top_k_entropy_nats
+from ead_llm.core.ops import (
+    apply_temperature,
+    candidate_width,
+    entropy_bits,
+    kept_floor,
+    sorts_whole_rows,
+    top_k_entropy_nats,
+)
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import Role, TokenSample
 
@@ -182,7 +189,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     A sampled row draws by inverse CDF in token-id order over the tokens :func:`ead_llm.core.ops.kept_floor`
     keeps: among its candidates when they hold the whole kept set (the usual case with top-k or top-p),
     else over the vocabulary. Which of the two depends on the row alone, so a seed's draws never depend on
-    the batch."""
+    the batch. On a device whose filter sorts rows whole (a GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every
+    row draws over the vocabulary, so that no step looks at the data."""
     greedy = torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
     if meta.all_greedy:
         return greedy
@@ -206,6 +214,8 @@ def _filtered_draw(
     """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
     vocab = scaled.shape[-1]
     floor, values, ids = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
+    if sorts_whole_rows(scaled):  # every row over the vocabulary: no step that depends on the data
+        return inverse_cdf(torch.where(scaled >= floor[:, None], torch.exp(scaled), 0.0), u)[:, 0]
     own = candidate_width(top_k, vocab)
     # every kept token is a candidate when the row's last candidate is below its floor (or all are candidates)
     fits = (values.gather(1, (own - 1)[:, None]).squeeze(1) < floor) | (own >= vocab)

@@ -205,6 +205,51 @@ def test_the_floor_keeps_what_the_plain_rule_keeps(
         assert torch.equal(alone[0] > -math.inf, kept[b])
 
 
+@settings(max_examples=40, deadline=None)
+@example(seed=2, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.95)  # the search sorts the whole row too
+@example(seed=3, vocab=3000, spread=1.0, step=0.25, top_k=0, top_p=0.6)  # ties at the edge
+@example(seed=4, vocab=80, spread=6.0, step=0.25, top_k=5, top_p=0.999)  # top-k cut in a tie, then top-p
+@example(seed=5, vocab=3000, spread=6.0, step=0.0, top_k=40, top_p=1.0)  # top-k alone
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.sampled_from([7, 80, 3000]),
+    spread=st.sampled_from([0.05, 1.0, 6.0]),
+    step=st.sampled_from([0.0, 0.25]),
+    top_k=st.integers(0, 90),
+    top_p=st.sampled_from([1.0, 0.999, 0.95, 0.6, 0.2]),
+)
+def test_sorting_every_row_whole_keeps_and_draws_what_the_search_does(
+    seed: int, vocab: int, spread: float, step: float, top_k: int, top_p: float
+) -> None:
+    """The GPU's filter (every row sorted whole, every sampled row drawn over the vocabulary: no step that looks at
+    the data, so no host sync) keeps the tokens the CPU's candidate search keeps, and the same seed draws the same
+    tokens."""
+    from unittest import mock
+
+    from ead_llm.core import ops
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(4, vocab, generator=gen) * spread
+    if step:
+        logits = torch.round(logits / step) * step
+    logits[1, : vocab // 3] = -math.inf
+    row_p = [top_p, top_p, top_p, 1.0]  # the last row: top-k alone, beside rows with top-p
+    temperature, k, p = torch.full((4,), 0.9), torch.full((4,), top_k), torch.tensor(row_p)
+    meta = SamplingMetadata.build([(0.9, top_k, row_p[b], stream_key(seed, b), 7) for b in range(4)])
+
+    def both() -> tuple[torch.Tensor, torch.Tensor]:
+        kept = filter_logits(logits, temperature, k, p, max_top_k=top_k, any_top_p=top_p < 1) > -math.inf
+        return kept, sample(logits, meta)
+
+    searched = both()
+    assert not ops.sorts_whole_rows(logits)
+    with mock.patch.object(ops, "SORT_WHOLE_ROWS", frozenset({"cpu"})):
+        assert ops.sorts_whole_rows(logits)
+        whole = both()
+    assert torch.equal(whole[0], searched[0])
+    assert torch.equal(whole[1], searched[1])
+
+
 @pytest.mark.parametrize(("top_p", "wider_looks"), [(0.95, 0), (0.2, 1)], ids=["past-the-wider", "among-the-wider"])
 def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_sorted_at_once(
     top_p: float, wider_looks: int, monkeypatch: pytest.MonkeyPatch
