@@ -33,7 +33,7 @@ ANY = st.one_of(
 )
 CONSTRUCTORS: dict[type, list[str]] = {
     EAD: ["threshold", "window", "min_dwell", "start_on", "reset_window_on_switch", "lookahead"],
-    SpeculativeDecoding: ["gamma", "adaptive_gamma", "max_gamma"],
+    SpeculativeDecoding: ["gamma", "adaptive_gamma", "max_gamma", "draft_cost", "stop_entropy"],
     EASD: ["entropy_threshold", "top_n", "overlap_threshold", "gamma"],
     EAGER: ["theta", "max_paths", "percentile", "temperature", "decoder", "patience", "budget_limit", "top_k"],
     RandomSwitching: ["fraction", "block", "seed"],

@@ -45,6 +45,35 @@ class SpecState:
     """Drafts made so far this round."""
     next_gamma: int = 0
     """Drafts the next round asks for (adaptive gamma moves it)."""
+    stood: float = 0.0
+    """Adaptive gamma: drafts that stood in earlier rounds, each round's count decayed by :data:`DECAY` per round."""
+    judged: float = 0.0
+    """Adaptive gamma: drafts judged in earlier rounds (those that stood and the one rejected), decayed alike."""
+
+
+DECAY = 0.8
+"""Weight a round's acceptance count keeps per later round (about the last five rounds count)."""
+PRIOR = (1.0, 2.0)
+"""Drafts standing of drafts judged assumed before any round (an acceptance rate of one half, worth two drafts)."""
+
+
+def acceptance_rate(stood: float, judged: float) -> float:
+    """The chance a draft stands given the one before it did, estimated from decayed counts with :data:`PRIOR`."""
+    return (stood + PRIOR[0]) / (judged + PRIOR[1])
+
+
+def best_gamma(rate: float, draft_cost: float, max_gamma: int) -> int:
+    """The number of drafts that maximises tokens per unit of cost when each draft stands with probability ``rate``
+    given the one before it did: a round of ``g`` drafts yields ``1 + rate + ... + rate**g`` tokens (those that
+    stand and the large model's own) for ``1 + g * draft_cost`` (one verification plus the drafts)."""
+    best, best_value, tokens, power = 1, 0.0, 1.0, 1.0
+    for g in range(1, max_gamma + 1):
+        power *= rate
+        tokens += power
+        value = tokens / (1.0 + g * draft_cost)
+        if value > best_value:
+            best, best_value = g, value
+    return best
 
 
 @dataclass(frozen=True)
@@ -56,9 +85,15 @@ class SpeculativeDecoding(Policy):
     gamma: int = 4
     """Drafts per round (>= 1)."""
     adaptive_gamma: bool = False
-    """Grow gamma by one after a round where every draft stood, shrink it by one after a rejection."""
+    """Choose each round's drafts from the sequence's recent acceptance: the rate at which drafts stood over the
+    last rounds (decayed) gives the draft count that yields the most tokens per unit of cost (:func:`best_gamma`);
+    ``gamma`` is the first round's."""
     max_gamma: int = 16
     """Upper bound of adaptive gamma."""
+    draft_cost: float = 0.1
+    """Adaptive gamma: what a draft costs as a share of a verification (the small model's token against the large
+    model's pass; a feature draft on SmolLM2 costs 0.06 of its target, a pass that verifies a few more tokens a
+    little more than one that reads one)."""
     stop_entropy: float = math.inf
     """End a round early after a draft drawn from a distribution of more than this entropy (bits, the small model's
     raw logits): a draft the small model is unsure of is the likeliest to be rejected, and the drafts after it fall
@@ -67,6 +102,7 @@ class SpeculativeDecoding(Policy):
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, minimum=1)
         check_int("max_gamma", self.max_gamma, minimum=self.gamma)
+        check_float("draft_cost", self.draft_cost, minimum=0.0)
         check_float("stop_entropy", self.stop_entropy, minimum=0.0, allow_inf=True)
         if not isinstance(self.adaptive_gamma, bool):
             raise ValueError(f"adaptive_gamma must be a bool, got {self.adaptive_gamma!r}")
@@ -91,11 +127,13 @@ class SpeculativeDecoding(Policy):
         return replace(state, gamma=state.drafted)
 
     def end_round(self, state: SpecState, drafted: int, accepted: int) -> SpecState:
-        """Adaptive gamma: grow after a clean sweep, shrink after a rejection."""
-        gamma = state.next_gamma
-        if self.adaptive_gamma and drafted:
-            gamma = min(self.max_gamma, gamma + 1) if accepted == drafted else max(1, gamma - 1)
-        return SpecState(gamma=gamma, drafted=0, next_gamma=gamma)
+        """Adaptive gamma: count the round's drafts that stood and were judged, and size the next round."""
+        if not self.adaptive_gamma or not drafted:
+            return replace(state, gamma=state.next_gamma, drafted=0)
+        stood = DECAY * state.stood + accepted
+        judged = DECAY * state.judged + accepted + (accepted < drafted)
+        gamma = best_gamma(acceptance_rate(stood, judged), self.draft_cost, self.max_gamma)
+        return SpecState(gamma=gamma, drafted=0, next_gamma=gamma, stood=stood, judged=judged)
 
     def counters(self) -> tuple[str, ...]:
         return ("drafted_tokens", "accepted_tokens", "entropy_rejections")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.evaluation.task import problems
-from ead_llm.policies.speculative import SpecState
+from ead_llm.policies.speculative import acceptance_rate, best_gamma
 from tests.scripted import scripted_pair
 
 VOCAB = 78  # the scripted pair's char tokenizer
@@ -35,15 +36,33 @@ def test_bad_settings_name_the_parameter(kwargs: dict, match: str) -> None:
         EASD(**kwargs)
 
 
-def test_adaptive_gamma_moves_within_bounds() -> None:
-    policy = SpeculativeDecoding(gamma=2, adaptive_gamma=True, max_gamma=3)
+def test_best_gamma_weighs_tokens_against_cost() -> None:
+    """Tokens per unit of cost, ``(1 + a + ... + a**g) / (1 + g c)``, worked by hand for a few cases."""
+    assert best_gamma(0.0, 0.1, 16) == 1 and best_gamma(1.0, 0.1, 16) == 16 and best_gamma(1.0, 0.1, 5) == 5
+    # a = 0.5, c = 0.06: g = 2 gives 1.75 / 1.12 = 1.5625, g = 3 gives 1.875 / 1.18 = 1.589, g = 4 1.9375 / 1.24
+    assert best_gamma(0.5, 0.06, 16) == 3
+    assert best_gamma(0.5, 0.0, 16) == 16  # free drafts: as many as allowed
+    chosen = [best_gamma(a / 20, 0.1, 16) for a in range(20)]
+    assert chosen == sorted(chosen)  # more acceptance, never fewer drafts
+
+
+def test_adaptive_gamma_follows_the_recent_acceptance_within_bounds() -> None:
+    policy = SpeculativeDecoding(gamma=2, adaptive_gamma=True, max_gamma=6, draft_cost=0.1)
     state = policy.begin_round(policy.start(), budget=10)
-    assert state == SpecState(gamma=2, drafted=0, next_gamma=2)
-    state = policy.end_round(state, drafted=2, accepted=2)
-    assert state.next_gamma == 3
-    assert policy.end_round(policy.begin_round(state, 10), drafted=3, accepted=3).next_gamma == 3
-    assert policy.end_round(state, drafted=3, accepted=1).next_gamma == 2
-    assert policy.begin_round(state, budget=1).gamma == 1
+    assert state.gamma == 2 and state.drafted == 0
+    for _ in range(8):  # every draft stands: the estimate climbs and the rounds grow to the bound
+        state = policy.begin_round(policy.end_round(state, drafted=state.gamma, accepted=state.gamma), budget=100)
+    assert state.gamma == 6
+    sizes = []
+    for _ in range(16):  # every first draft falls: down to one draft a round (the estimate forgets the sweeps)
+        state = policy.begin_round(policy.end_round(state, drafted=state.gamma, accepted=0), budget=100)
+        sizes.append(state.gamma)
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] == 1
+    assert policy.begin_round(replace(state, next_gamma=5), budget=1).gamma == 1  # the length budget caps a round
+    rate = acceptance_rate(state.stood, state.judged)
+    assert 0.0 < rate < 0.25
+    fixed = SpeculativeDecoding(gamma=3)
+    assert fixed.end_round(fixed.begin_round(fixed.start(), 10), drafted=3, accepted=0).next_gamma == 3
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 6])
