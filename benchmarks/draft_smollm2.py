@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped one, assembled)")
+    parser.add_argument("--draft-cost", type=float, default=None, help="adaptive gamma's draft_cost (default: its own)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -94,13 +95,14 @@ def main() -> None:
     engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
     prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in smollm2.unseen_questions(args.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    cost = {} if args.draft_cost is None else {"draft_cost": args.draft_cost}
     policies: dict[str, Policy] = {
         "large_only": LargeOnly(),
-        "speculative_adaptive": SpeculativeDecoding(gamma=4, adaptive_gamma=True),
+        "speculative_adaptive": SpeculativeDecoding(gamma=4, adaptive_gamma=True, **cost),
         "speculative_gamma1": SpeculativeDecoding(gamma=1),
         "speculative_gamma3": SpeculativeDecoding(gamma=3),
         "speculative_stop": SpeculativeDecoding(gamma=3, stop_entropy=STOP_ENTROPY),
-        "easd": EASD(gamma=4, adaptive_gamma=True),
+        "easd": EASD(gamma=4, adaptive_gamma=True, **cost),
     }
 
     def run(policy: Policy) -> tuple[float, list[Completion]]:
