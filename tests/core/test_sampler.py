@@ -173,19 +173,23 @@ def test_draws_over_a_large_vocabulary_find_the_chunk_then_the_token() -> None:
     assert edges == [int((weights[0] > 0).nonzero()[0]), vocab - 1]
 
 
+FILTER_ROWS = {
+    "seed": st.integers(0, 10_000),
+    "vocab": st.sampled_from([7, 80, 3000]),
+    "spread": st.sampled_from([0.05, 1.0, 6.0]),
+    "step": st.sampled_from([0.0, 0.25]),
+    "top_k": st.integers(0, 90),
+    "top_p": st.sampled_from([1.0, 0.999, 0.95, 0.6, 0.2]),
+}
+"""Rows for the filter's tests: flat, spread or rounded (ties) logits, any top-k, top-p from off to tight."""
+
+
 @settings(max_examples=60, deadline=None)
 @example(seed=1, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.2)  # a nucleus of ~600: the WIDER stage
 @example(seed=2, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.95)  # ~2,800: the whole row sorted
 @example(seed=3, vocab=3000, spread=1.0, step=0.25, top_k=0, top_p=0.6)  # ties at the edge, deep
 @example(seed=4, vocab=80, spread=6.0, step=0.25, top_k=5, top_p=0.999)  # top-k cut in a tie, then top-p
-@given(
-    seed=st.integers(0, 10_000),
-    vocab=st.sampled_from([7, 80, 3000]),
-    spread=st.sampled_from([0.05, 1.0, 6.0]),
-    step=st.sampled_from([0.0, 0.25]),
-    top_k=st.integers(0, 90),
-    top_p=st.sampled_from([1.0, 0.999, 0.95, 0.6, 0.2]),
-)
+@given(**FILTER_ROWS)
 def test_the_floor_keeps_what_the_plain_rule_keeps(
     seed: int, vocab: int, spread: float, step: float, top_k: int, top_p: float
 ) -> None:
@@ -210,14 +214,7 @@ def test_the_floor_keeps_what_the_plain_rule_keeps(
 @example(seed=3, vocab=3000, spread=1.0, step=0.25, top_k=0, top_p=0.6)  # ties at the edge
 @example(seed=4, vocab=80, spread=6.0, step=0.25, top_k=5, top_p=0.999)  # top-k cut in a tie, then top-p
 @example(seed=5, vocab=3000, spread=6.0, step=0.0, top_k=40, top_p=1.0)  # top-k alone
-@given(
-    seed=st.integers(0, 10_000),
-    vocab=st.sampled_from([7, 80, 3000]),
-    spread=st.sampled_from([0.05, 1.0, 6.0]),
-    step=st.sampled_from([0.0, 0.25]),
-    top_k=st.integers(0, 90),
-    top_p=st.sampled_from([1.0, 0.999, 0.95, 0.6, 0.2]),
-)
+@given(**FILTER_ROWS)
 def test_sorting_every_row_whole_keeps_and_draws_what_the_search_does(
     seed: int, vocab: int, spread: float, step: float, top_k: int, top_p: float
 ) -> None:
