@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ead_llm.core.frontend import Frontend
+from ead_llm.core.heap import frozen_heap
 from ead_llm.core.inputs import InputProcessor
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE
 from ead_llm.core.loading import LoadConfig, ModelPair
@@ -161,7 +162,7 @@ class Engine(Frontend):
     # -- the scheduler thread --------------------------------------------------------------------
 
     def _run(self, stop: threading.Event) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), frozen_heap():
             while True:
                 try:
                     if not self._serve_once(stop):
