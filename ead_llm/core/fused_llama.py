@@ -79,12 +79,32 @@ class Projection:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool) -> None:
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
+        self.pad_single = False
+        """Whether one row is sent as two: oneDNN runs a single row of a wide input (1,536 inputs and more on
+        this machine's CPU) through another kernel, whose last bits differ from the same row's among others."""
         if pack and ONEDNN is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
             self.packed = ONEDNN[1](weight.detach(), PACK_ROWS)
+            self.pad_single = not self._single_rows_agree()
+
+    def _single_rows_agree(self) -> bool:
+        """Whether rows called alone get the bits they get among others (which kernel oneDNN picks for one row
+        depends on the shape and the CPU, so it is asked, not assumed: a different kernel sums in another order
+        and differs on random rows)."""
+        probe = torch.randn(4, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            together = self._packed(probe)
+            return all(torch.equal(self._packed(probe[i : i + 1]), together[i : i + 1]) for i in range(len(probe)))
+
+    def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        assert ONEDNN is not None
+        return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and ONEDNN is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
+        if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
+            if self.pad_single and x.numel() == x.shape[-1]:  # one row, as two: the batch's kernel, same time
+                twice = self._packed(x.reshape(1, -1).expand(2, -1).contiguous())
+                return twice[:1].view(*x.shape[:-1], twice.shape[-1])
+            return self._packed(x)
         return F.linear(x, self.weight, self.bias)
 
 

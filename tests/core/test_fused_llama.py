@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -42,17 +43,24 @@ def test_projection_packs_float32_cpu_weights_and_matches_f_linear_to_rounding()
             torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-def test_a_packed_projection_gives_each_row_the_same_bits_whatever_rows_share_the_call() -> None:
+@pytest.mark.parametrize("shape", [(200, 64), (64, 2048), (576, 1536)])
+def test_a_packed_projection_gives_each_row_the_same_bits_whatever_rows_share_the_call(
+    shape: tuple[int, int],
+) -> None:
     """Batch invariance: row i of a 64-row call equals row i computed with 1, 2, 3, 4, 7 or 33 rows (a prompt's
-    logits must not depend on where it stands in a batch)."""
+    logits must not depend on where it stands in a batch), for narrow inputs and for wide ones such as SmolLM2's
+    down projection (1,536 inputs), where oneDNN runs a single row through another kernel."""
     gen = torch.Generator().manual_seed(2)
-    projection = Projection(torch.randn(200, 64, generator=gen), torch.randn(200, generator=gen), pack=True)
-    x = torch.randn(64, 64, generator=gen)
+    out_features, in_features = shape
+    weight, bias = torch.randn(shape, generator=gen) * 0.05, torch.randn(out_features, generator=gen)
+    projection = Projection(weight, bias, pack=True)
+    x = torch.randn(64, in_features, generator=gen)
     with torch.inference_mode():
         whole = projection(x)
         for rows in (1, 2, 3, 4, 7, 33):
             assert torch.equal(projection(x[:rows]), whole[:rows])
             assert torch.equal(projection(x[-rows:]), whole[-rows:])
+        assert torch.equal(projection(x[None, 5:6])[0], whole[5:6])  # one row as the fused pass sends it
 
 
 def test_a_projection_is_f_linear_exactly_under_autograd_in_bfloat16_or_unpacked() -> None:
