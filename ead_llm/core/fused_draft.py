@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from ead_llm.core.fused_llama import FusedLayer, Projection, rms_norm, signed_sin, worth_packing
+from ead_llm.core.fused_llama import FusedLayer, Projection, rms_norm, signed_sin, tune_widths, worth_packing
 
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
@@ -37,6 +37,7 @@ class FusedDraft:
         self.layers = [FusedLayer(layer, pack=pack) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = Projection(model.head.weight, None, pack=pack)
+        self.widths = tune_widths([self.fc, self.head, *(p for layer in self.layers for p in layer.projections)])
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)

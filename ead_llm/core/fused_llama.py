@@ -17,6 +17,8 @@ sliding window); anything else runs through transformers' modules with the same 
 from __future__ import annotations
 
 import os
+import statistics
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +84,9 @@ class Projection:
         self.pad_single = False
         """Whether one row is sent as two: oneDNN runs a single row of a wide input (1,536 inputs and more on
         this machine's CPU) through another kernel, whose last bits differ from the same row's among others."""
+        self.widths: tuple[int, ...] = ()
+        """``widths[r]``: how many rows a call of ``r`` rows is sent as (copies of its last row fill the rest;
+        :func:`tune_widths` sets it where more rows run faster); calls of more rows go as they are."""
         if pack and ONEDNN is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
             self.packed = ONEDNN[1](weight.detach(), PACK_ROWS)
             self.pad_single = not self._single_rows_agree()
@@ -99,13 +104,65 @@ class Projection:
         assert ONEDNN is not None
         return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
 
+    def width(self, rows: int) -> int:
+        """The rows a packed call of ``rows`` rows runs as: never one alone where one row takes another kernel."""
+        wide = self.widths[rows] if rows < len(self.widths) else rows
+        return 2 if wide == 1 and self.pad_single else wide
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
-            if self.pad_single and x.numel() == x.shape[-1]:  # one row, as two: the batch's kernel, same time
-                twice = self._packed(x.reshape(1, -1).expand(2, -1).contiguous())
-                return twice[:1].view(*x.shape[:-1], twice.shape[-1])
-            return self._packed(x)
+            rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+            wide = self.width(rows) if rows else rows
+            if wide == rows:
+                return self._packed(x)
+            flat = x.reshape(rows, -1)
+            out = self._packed(torch.cat((flat, flat[-1:].expand(wide - rows, -1))))
+            return out[:rows].view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+
+TUNED_ROWS = 8
+""":func:`tune_widths` times calls of 1 to this many rows."""
+TUNE_MARGIN = 0.9
+"""A call is sent as more rows only when those run in at most this share of its own time (noise does not move it)."""
+
+
+def choose_widths(seconds: dict[int, float], margin: float = TUNE_MARGIN) -> tuple[int, ...]:
+    """``widths[r]`` for ``r`` in ``0..max(seconds)``: the row count at least ``r`` whose calls took least time
+    (``seconds[n]``: a pass's products at ``n`` rows), when it beats ``r``'s own by ``margin``; else ``r``."""
+    top = max(seconds)
+    widths = [0]
+    for rows in range(1, top + 1):
+        best = min(range(rows, top + 1), key=lambda n: (seconds[n], n))
+        widths.append(best if seconds[best] <= margin * seconds[rows] else rows)
+    return tuple(widths)
+
+
+def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, ...]:
+    """Time a model's packed projections (one pass's products) at 1 to :data:`TUNED_ROWS` rows, interleaved, and give
+    each the widths :func:`choose_widths` takes from the medians. On this machine's CPU a memory-bound model (SmolLM2:
+    540 MB of weights) ran its products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN streams packed
+    weights faster with more rows. Which width a call runs as changes its time only, never its rows' bits (every
+    width from two rows on gives a row the same bits, and one row runs alone only where it matches them)."""
+    packed = [p for p in projections if p.packed is not None]
+    if not packed:
+        return ()
+    inputs = {n: [torch.randn(p.width(n), p.weight.shape[1]) for p in packed] for n in range(1, TUNED_ROWS + 1)}
+    samples: dict[int, list[float]] = {n: [] for n in inputs}
+    with torch.inference_mode():
+        for n in (1, 2):  # untimed: oneDNN makes its kernels on first use
+            for p, x in zip(packed, inputs[n], strict=True):
+                p._packed(x)
+        for _ in range(repeats):
+            for n, xs in inputs.items():
+                start = time.perf_counter()
+                for p, x in zip(packed, xs, strict=True):
+                    p._packed(x)
+                samples[n].append(time.perf_counter() - start)
+    widths = choose_widths({n: statistics.median(times) for n, times in samples.items()})
+    for p in packed:
+        p.widths = widths
+    return widths
 
 
 def supports(model: Any) -> bool:
@@ -191,6 +248,7 @@ class FusedLayer:
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon))
         self.qk_width = (self.heads + self.kv_heads) * self.head_dim  # q and k lie side by side in qkv's output
+        self.projections = [self.qkv, self.o, self.gate_up, self.down]
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """``hidden``: [1, T, hidden]; ``cos``/``sin``: [1, 1, T, D] (``sin`` as :func:`signed_sin` gives it)."""
@@ -221,6 +279,7 @@ class FusedLlama:
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
         self.head = Projection(model.lm_head.weight, model.lm_head.bias, pack=pack)
         self.layers = [FusedLayer(layer, pack=pack) for layer in inner.layers]
+        self.widths = tune_widths([self.head, *(p for layer in self.layers for p in layer.projections)])
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""

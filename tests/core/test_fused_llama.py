@@ -7,7 +7,15 @@ import torch
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ead_llm.core.fused_llama import ONEDNN, PACK_MIN_BYTES, Projection, rotary, signed_sin, worth_packing
+from ead_llm.core.fused_llama import (
+    ONEDNN,
+    PACK_MIN_BYTES,
+    Projection,
+    choose_widths,
+    rotary,
+    signed_sin,
+    worth_packing,
+)
 
 
 def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
@@ -81,3 +89,27 @@ def test_worth_packing_only_float32_cpu_models_past_the_cache() -> None:
     big = torch.nn.Linear(1024, PACK_MIN_BYTES // 4096 + 1)
     assert worth_packing(big) == (ONEDNN is not None)
     assert not worth_packing(big.to(torch.bfloat16))
+
+
+def test_widths_send_a_call_as_the_fastest_row_count_at_least_its_own() -> None:
+    """From the medians per row count: a call goes as more rows only when those beat its own time by the margin."""
+    seconds = {1: 40.0, 2: 47.5, 3: 34.8, 4: 32.6, 5: 32.2, 6: 33.0, 7: 39.7, 8: 41.7}
+    assert choose_widths(seconds) == (0, 5, 5, 3, 4, 5, 6, 7, 8)  # 3 or 4 -> 5 saves 7% or 1%: kept
+    assert choose_widths({1: 1.0, 2: 1.2, 3: 1.3}) == (0, 1, 2, 3)  # one row is cheapest: nothing moves
+    assert choose_widths({1: 1.0, 2: 0.95}, margin=0.9) == (0, 1, 2)  # within the margin: noise does not move it
+
+
+@pytest.mark.parametrize("shape", [(200, 64), (576, 1536)])
+def test_rows_sent_as_more_rows_keep_their_bits(shape: tuple[int, int]) -> None:
+    """Padding a call with copies of its last row changes no row's bits (one row alone too, where oneDNN would run
+    it through another kernel) and returns only the call's own rows."""
+    gen = torch.Generator().manual_seed(4)
+    projection = Projection(torch.randn(shape, generator=gen) * 0.05, None, pack=True)
+    x = torch.randn(64, shape[1], generator=gen)
+    with torch.inference_mode():
+        whole = projection(x)
+        projection.widths = (0, 6, 6, 5, 7)
+        for rows in (1, 2, 3, 4, 5):
+            got = projection(x[None, :rows])
+            assert got.shape == (1, rows, shape[0])
+            assert torch.equal(got[0], whole[:rows])
