@@ -16,6 +16,7 @@ sliding window); anything else runs through transformers' modules with the same 
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -125,6 +126,8 @@ TUNED_ROWS = 8
 """:func:`tune_widths` times calls of 1 to this many rows."""
 TUNE_MARGIN = 0.9
 """A call is sent as more rows only when those run in at most this share of its own time (noise does not move it)."""
+TUNE_SAMPLE_S = 0.005
+"""Each timed sample of :func:`tune_widths` repeats a pass's products until it takes at least about this long."""
 
 
 def choose_widths(seconds: dict[int, float], margin: float = TUNE_MARGIN) -> tuple[int, ...]:
@@ -149,16 +152,21 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
         return ()
     inputs = {n: [torch.randn(p.width(n), p.weight.shape[1]) for p in packed] for n in range(1, TUNED_ROWS + 1)}
     samples: dict[int, list[float]] = {n: [] for n in inputs}
-    with torch.inference_mode():
-        for n in (1, 2):  # untimed: oneDNN makes its kernels on first use
-            for p, x in zip(packed, inputs[n], strict=True):
+
+    def products(xs: list[torch.Tensor], times: int) -> float:
+        start = time.perf_counter()
+        for _ in range(times):
+            for p, x in zip(packed, xs, strict=True):
                 p._packed(x)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        products(inputs[2], 1)  # untimed: oneDNN makes its kernels on first use
+        # a small model's pass takes well under a millisecond: each sample runs enough passes to outlast the noise
+        times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(products(inputs[1], 1), 1e-6))))
         for _ in range(repeats):
             for n, xs in inputs.items():
-                start = time.perf_counter()
-                for p, x in zip(packed, xs, strict=True):
-                    p._packed(x)
-                samples[n].append(time.perf_counter() - start)
+                samples[n].append(products(xs, times))
     widths = choose_widths({n: statistics.median(times) for n, times in samples.items()})
     for p in packed:
         p.widths = widths
