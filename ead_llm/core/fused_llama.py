@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +123,7 @@ class Projection:
 
 TUNED_ROWS = 8
 """:func:`tune_widths` times calls of 1 to this many rows."""
-TUNE_MARGIN = 0.9
+TUNE_MARGIN = 0.85
 """A call is sent as more rows only when those run in at most this share of its own time (noise does not move it)."""
 TUNE_SAMPLE_S = 0.005
 """Each timed sample of :func:`tune_widths` repeats a pass's products until it takes at least about this long."""
@@ -143,14 +142,18 @@ def choose_widths(seconds: dict[int, float], margin: float = TUNE_MARGIN) -> tup
 
 def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, ...]:
     """Time a model's packed projections (one pass's products) at 1 to :data:`TUNED_ROWS` rows, interleaved, and give
-    each the widths :func:`choose_widths` takes from the medians. On this machine's CPU a memory-bound model (SmolLM2:
-    540 MB of weights) ran its products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN streams packed
-    weights faster with more rows. Which width a call runs as changes its time only, never its rows' bits (every
+    each the widths :func:`choose_widths` takes from the fastest samples. On this machine's CPU a memory-bound model
+    (SmolLM2: 540 MB of weights) ran its products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN streams
+    packed weights faster with more rows. Which width a call runs as changes its time only, never its rows' bits (every
     width from two rows on gives a row the same bits, and one row runs alone only where it matches them)."""
     packed = [p for p in projections if p.packed is not None]
     if not packed:
         return ()
-    inputs = {n: [torch.randn(p.width(n), p.weight.shape[1]) for p in packed] for n in range(1, TUNED_ROWS + 1)}
+    # each call as it runs untuned (one row as two where it must be)
+    inputs = {
+        n: [torch.randn(2 if n == 1 and p.pad_single else n, p.weight.shape[1]) for p in packed]
+        for n in range(1, TUNED_ROWS + 1)
+    }
     samples: dict[int, list[float]] = {n: [] for n in inputs}
 
     def products(xs: list[torch.Tensor], times: int) -> float:
@@ -167,7 +170,8 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
         for _ in range(repeats):
             for n, xs in inputs.items():
                 samples[n].append(products(xs, times))
-    widths = choose_widths({n: statistics.median(times) for n, times in samples.items()})
+    # the fastest sample of each: a busy machine only ever adds time, and a small model's widths must not follow it
+    widths = choose_widths({n: min(times) for n, times in samples.items()})
     for p in packed:
         p.widths = widths
     return widths

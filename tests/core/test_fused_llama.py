@@ -10,10 +10,12 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from ead_llm.core.fused_llama import (
     ONEDNN,
     PACK_MIN_BYTES,
+    TUNED_ROWS,
     Projection,
     choose_widths,
     rotary,
     signed_sin,
+    tune_widths,
     worth_packing,
 )
 
@@ -113,3 +115,19 @@ def test_rows_sent_as_more_rows_keep_their_bits(shape: tuple[int, int]) -> None:
             got = projection(x[None, :rows])
             assert got.shape == (1, rows, shape[0])
             assert torch.equal(got[0], whole[:rows])
+
+
+def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuning times each row count as it runs before tuning (one row as two only where it must), so a second tuning
+    measures what the first did, not the widths the first chose."""
+    gen = torch.Generator().manual_seed(6)
+    projections = [Projection(torch.randn(64, 2048, generator=gen), None, pack=True) for _ in range(2)]
+    seen: list[tuple[int, ...]] = []
+    original = Projection._packed
+    monkeypatch.setattr(Projection, "_packed", lambda self, x: seen.append(tuple(x.shape)) or original(self, x))
+    for p in projections:
+        p.widths = (0, 8, 8)
+    tune_widths(projections, repeats=1)
+    rows = sorted({shape[0] for shape in seen})
+    want_one = 2 if projections[0].pad_single else 1
+    assert rows == sorted({want_one, *range(2, TUNED_ROWS + 1)})
