@@ -92,3 +92,36 @@ def test_entropy_policies_run_on_the_draft_and_bill_both_models(engine, prompts,
     assert all(c.token_ids for c in done)
     assert sum(c.cost.small_processed_tokens for c in done) > 0
     assert sum(c.cost.large_processed_tokens for c in done) > 0
+
+
+def test_the_rows_a_pass_runs_as_change_no_bit_of_its_logits(engine: Engine, prompts: list[list[int]]) -> None:
+    """SmolLM2's packed projections run a decode step as the row count they measured fastest (5 or 6 rows here):
+    the step's logits are the same bits whatever row count its products run as."""
+    import torch
+
+    from ead_llm.core.kv_cache import SequenceKV
+    from ead_llm.core.model_runner import PassRow
+
+    runner = engine.runners[Role.LARGE]
+    assert runner._fused is not None
+    projections = [runner._fused.head, *(p for layer in runner._fused.layers for p in layer.projections)]
+    tuned, prompt, kv = runner._fused.widths, prompts[0], SequenceKV()
+    try:
+        with torch.inference_mode():
+            runner.cache.reserve(kv, len(prompt))
+            runner.execute([PassRow(kv, prompt[:-1])])
+
+            def step() -> torch.Tensor:
+                logits = runner.execute([PassRow(kv, prompt)]).logits[0]
+                runner.cache.truncate(kv, len(prompt) - 1)
+                return logits
+
+            alone = step()
+            for widths in ((), (0, 8), (0, 3)):  # as it is (two rows where one alone would differ), as 8, as 3
+                for p in projections:
+                    p.widths = widths
+                assert torch.equal(step(), alone)
+    finally:
+        for p in projections:
+            p.widths = tuned
+        runner.cache.free(kv)
