@@ -149,9 +149,10 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
     packed = [p for p in projections if p.packed is not None]
     if not packed:
         return ()
-    # each call as it runs untuned (one row as two where it must be)
+    # each call as it runs untuned (one row as two where it must be); the caller's random state is left alone
+    gen = torch.Generator().manual_seed(0)
     inputs = {
-        n: [torch.randn(2 if n == 1 and p.pad_single else n, p.weight.shape[1]) for p in packed]
+        n: [torch.randn(2 if n == 1 and p.pad_single else n, p.weight.shape[1], generator=gen) for p in packed]
         for n in range(1, TUNED_ROWS + 1)
     }
     samples: dict[int, list[float]] = {n: [] for n in inputs}

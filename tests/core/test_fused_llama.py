@@ -131,3 +131,13 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
     rows = sorted({shape[0] for shape in seen})
     want_one = 2 if projections[0].pad_single else 1
     assert rows == sorted({want_one, *range(2, TUNED_ROWS + 1)})
+
+
+def test_packing_and_tuning_leave_the_callers_random_state_alone() -> None:
+    """Loading an engine must not move torch's global generator (a seeded user script draws what it drew before)."""
+    weight = torch.randn(64, 2048, generator=torch.Generator().manual_seed(7))
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    tune_widths([Projection(weight, None, pack=True)], repeats=1)
+    assert torch.equal(torch.rand(3), expected)
