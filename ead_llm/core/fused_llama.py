@@ -145,10 +145,27 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
     each the widths :func:`choose_widths` takes from the fastest samples. On this machine's CPU a memory-bound model
     (SmolLM2: 540 MB of weights) ran its products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN streams
     packed weights faster with more rows. Which width a call runs as changes its time only, never its rows' bits (every
-    width from two rows on gives a row the same bits, and one row runs alone only where it matches them)."""
+    width from two rows on gives a row the same bits, and one row runs alone only where it matches them). Timed once
+    per process for a set of shapes and thread count."""
     packed = [p for p in projections if p.packed is not None]
     if not packed:
         return ()
+    key = (torch.get_num_threads(), repeats, tuple((tuple(p.weight.shape), p.pad_single) for p in packed))
+    widths = _TUNED.get(key)
+    if widths is None:
+        widths = _TUNED[key] = _time_widths(packed, repeats)
+    for p in packed:
+        p.widths = widths
+    return widths
+
+
+_TUNED: dict[tuple[Any, ...], tuple[int, ...]] = {}
+"""Widths already timed in this process, by thread count and the projections' shapes: a second engine on the same
+model (or another model of the same shapes) takes them instead of timing again."""
+
+
+def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
+    """:func:`tune_widths`'s timing: the widths for ``packed`` projections."""
     # each call as it runs untuned (one row as two where it must be); the caller's random state is left alone
     gen = torch.Generator().manual_seed(0)
     inputs = {
@@ -172,10 +189,7 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
             for n, xs in inputs.items():
                 samples[n].append(products(xs, times))
     # the fastest sample of each: a busy machine only ever adds time, and a small model's widths must not follow it
-    widths = choose_widths({n: min(times) for n, times in samples.items()})
-    for p in packed:
-        p.widths = widths
-    return widths
+    return choose_widths({n: min(times) for n, times in samples.items()})
 
 
 def supports(model: Any) -> bool:

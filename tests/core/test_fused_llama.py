@@ -7,6 +7,7 @@ import torch
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from ead_llm.core import fused_llama
 from ead_llm.core.fused_llama import (
     ONEDNN,
     PACK_MIN_BYTES,
@@ -122,6 +123,7 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
     measures what the first did, not the widths the first chose."""
     gen = torch.Generator().manual_seed(6)
     projections = [Projection(torch.randn(64, 2048, generator=gen), None, pack=True) for _ in range(2)]
+    monkeypatch.setattr(fused_llama, "_TUNED", {})  # time them here, whatever this process timed before
     seen: list[tuple[int, ...]] = []
     original = Projection._packed
     monkeypatch.setattr(Projection, "_packed", lambda self, x: seen.append(tuple(x.shape)) or original(self, x))
@@ -133,11 +135,28 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
     assert rows == sorted({want_one, *range(2, TUNED_ROWS + 1)})
 
 
-def test_packing_and_tuning_leave_the_callers_random_state_alone() -> None:
+def test_packing_and_tuning_leave_the_callers_random_state_alone(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading an engine must not move torch's global generator (a seeded user script draws what it drew before)."""
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
     weight = torch.randn(64, 2048, generator=torch.Generator().manual_seed(7))
     torch.manual_seed(11)
     expected = torch.rand(3)
     torch.manual_seed(11)
     tune_widths([Projection(weight, None, pack=True)], repeats=1)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_second_model_of_the_same_shapes_takes_the_widths_timed_for_the_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Timed once per process for a set of shapes: the second engine on a model is not timed again."""
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    timings: list[int] = []
+    monkeypatch.setattr(fused_llama, "_time_widths", lambda packed, repeats: timings.append(len(packed)) or (0, 3))
+    gen = torch.Generator().manual_seed(8)
+    first = [Projection(torch.randn(64, 48, generator=gen), None, pack=True) for _ in range(2)]
+    second = [Projection(torch.randn(64, 48, generator=gen), None, pack=True) for _ in range(2)]
+    assert tune_widths(first) == tune_widths(second) == (0, 3)
+    assert timings == [2] and all(p.widths == (0, 3) for p in first + second)
+    tune_widths([Projection(torch.randn(32, 48, generator=gen), None, pack=True)])  # other shapes: timed
+    assert timings == [2, 1]
