@@ -37,7 +37,8 @@ class FusedDraft:
         self.layers = [FusedLayer(layer, pack=pack) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = Projection(model.head.weight, None, pack=pack)
-        self.widths = tune_widths([self.fc, self.head, *(p for layer in self.layers for p in layer.projections)])
+        self.projections = [self.fc, self.head, *(p for layer in self.layers for p in layer.projections)]
+        tune_widths(self.projections)
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)

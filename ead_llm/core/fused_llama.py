@@ -112,7 +112,7 @@ class Projection:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
             rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-            wide = self.width(rows) if rows else rows
+            wide = self.width(rows)
             if wide == rows:
                 return self._packed(x)
             flat = x.reshape(rows, -1)
@@ -306,7 +306,8 @@ class FusedLlama:
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
         self.head = Projection(model.lm_head.weight, model.lm_head.bias, pack=pack)
         self.layers = [FusedLayer(layer, pack=pack) for layer in inner.layers]
-        self.widths = tune_widths([self.head, *(p for layer in self.layers for p in layer.projections)])
+        self.projections = [self.head, *(p for layer in self.layers for p in layer.projections)]
+        tune_widths(self.projections)
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""

@@ -104,8 +104,8 @@ def test_the_rows_a_pass_runs_as_change_no_bit_of_its_logits(engine: Engine, pro
 
     runner = engine.runners[Role.LARGE]
     assert runner._fused is not None
-    projections = [runner._fused.head, *(p for layer in runner._fused.layers for p in layer.projections)]
-    tuned, prompt, kv = runner._fused.widths, prompts[0], SequenceKV()
+    projections = runner._fused.projections
+    tuned, prompt, kv = projections[0].widths, prompts[0], SequenceKV()
     try:
         with torch.inference_mode():
             runner.cache.reserve(kv, len(prompt))
