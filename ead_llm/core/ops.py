@@ -100,8 +100,8 @@ def kept_floor(
     kept set depends on the values alone, never on an index order or on the other rows of the batch.
 
     Worked out on each row's ``candidate_width`` most likely tokens; a nucleus reaching past them is looked for
-    among the ``WIDER`` most likely, then in the whole sorted row (the same sums over the same values in the
-    same order: the same floor). Where :func:`sorts_whole_rows`, every row is sorted whole at once (the same
+    among the ``WIDER`` most likely, then over the whole row (:func:`nucleus_by_digits`: the floor the sorted row
+    gives, without a sort). Where :func:`sorts_whole_rows`, every row is sorted whole at once (the same
     floor, without a step that depends on the data). Also returns the candidates (values and ids ``[B, C]``, most
     likely first).
     """
@@ -120,24 +120,100 @@ def kept_floor(
         nucleus = _nucleus_floor(given, weights, weights.sum(-1, dtype=torch.float64), top_p)
         return torch.maximum(floor, torch.where(torch.isnan(nucleus), -torch.inf, nucleus)), values, ids
     given, weights = _head(values, own, floor)
-    total = _kept_mass(scaled, values, own, floor, weights)
+    total = weights.sum(-1, dtype=torch.float64)
+    last = values.gather(1, (own - 1)[:, None]).squeeze(1)
+    spill = (last >= floor).nonzero().flatten()  # rows whose kept tokens reach past their candidates
+    if len(spill):  # their kept mass, over the whole row
+        whole = scaled if len(spill) == batch else scaled[spill]
+        if max_top_k:
+            whole = torch.where(whole >= floor[spill, None], whole, -torch.inf)
+        whole_weights = torch.exp(whole)
+        total[spill] = whole_weights.sum(-1, dtype=torch.float64)
     nucleus = _nucleus_floor(given, weights, total, top_p)
     nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
     for wider in (min(vocab, WIDER), vocab):
         deeper = torch.isnan(nucleus).nonzero().flatten()
-        if wider < vocab:  # a row whose edge cannot lie among the wider ones is sorted whole straight away
+        if wider < vocab:  # a row whose edge cannot lie among the wider ones is searched whole straight away
             deeper = deeper[_may_end_within(weights[deeper], own[deeper], total[deeper], top_p[deeper], wider)]
         if not len(deeper):
             continue
-        rows = scaled[deeper]
-        ordered = sorted_descending(rows) if wider == vocab else torch.topk(rows, wider).values
-        found = _nucleus_floor(
-            *_head(ordered, torch.full_like(deeper, wider), floor[deeper]), total[deeper], top_p[deeper]
-        )
-        if wider == vocab:  # nothing dropped in the whole row (all tied): all kept
-            found = torch.where(torch.isnan(found), -torch.inf, found)
-        nucleus[deeper] = found
+        if wider < vocab:
+            ordered = torch.topk(scaled[deeper], wider).values
+            nucleus[deeper] = _nucleus_floor(
+                *_head(ordered, torch.full_like(deeper, wider), floor[deeper]), total[deeper], top_p[deeper]
+            )
+            continue
+        if len(deeper) < len(spill):  # a row past its candidates spilled: its whole row is at hand
+            at = torch.searchsorted(spill, deeper)
+            whole, whole_weights = whole[at], whole_weights[at]
+        searched = torch.isfinite(values[deeper, 0]) & (values[deeper, 0] <= 0)  # values as apply_temperature's
+        if bool(searched.all()):
+            nucleus[deeper] = nucleus_by_digits(whole, whole_weights, total[deeper], top_p[deeper])
+        else:  # NaN, or a caller's values above 0: the row sorted whole
+            ordered = sorted_descending(scaled[deeper])
+            found = _nucleus_floor(
+                *_head(ordered, torch.full_like(deeper, vocab), floor[deeper]), total[deeper], top_p[deeper]
+            )
+            nucleus[deeper] = torch.where(torch.isnan(found), -torch.inf, found)  # nothing dropped: all kept
     return torch.maximum(floor, nucleus), values, ids
+
+
+DIGITS = ((18, 13), (9, 9), (0, 9))
+""":func:`nucleus_by_digits`'s passes over a float32's 31 magnitude bits: (shift, width) of each digit, highest
+first (the first over every value: 13 bits, the exponent and 5 bits of mantissa, leave few values sharing one)."""
+
+
+def nucleus_by_digits(
+    given: torch.Tensor, weights: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The nucleus floor of rows of values at most 0 ``given`` ``[R, V]`` (-inf where dropped already) and their
+    ``weights`` (float32 ``exp(given)``) without sorting them: the value v whose strictly larger values weigh less
+    than ``top_p`` of ``total`` while those at or above it reach it (as :func:`_nucleus_floor` finds it in a sorted
+    row, to within float64 rounding of the sums). A value at most 0 orders by its magnitude bits, largest value
+    first, so the search reads them a digit at a time (:data:`DIGITS`): a weighted histogram per row of the digit,
+    over the values that share the digits found so far, the cumulative mass finding the next digit. A pass over the
+    row and two over the few values left, instead of a sort."""
+    count, vocab, device = *given.shape, given.device
+    bits = given.view(torch.int32).reshape(-1)
+    threshold = top_p.to(torch.float64) * total * (1.0 - NUCLEUS_RTOL)
+    before = torch.zeros(count, dtype=torch.float64, device=device)  # mass of the values above the prefix
+    prefix = torch.zeros(count, dtype=torch.int64, device=device)  # the digits found so far
+    (shift, width), *lower = DIGITS
+    offsets = torch.arange(count, device=device, dtype=torch.int32)[:, None] << width
+    slots = (given.view(torch.int32) >> shift).bitwise_and_((1 << width) - 1).add_(offsets).view(-1)
+    flat = weights.reshape(-1).to(torch.float64)
+    before, prefix = _next_digit(slots, flat, width, before, prefix, threshold)
+    target = prefix.to(torch.int32)[:, None] + offsets
+    inside = (slots.view(count, vocab) == target).view(-1).nonzero().squeeze(1)
+    row, keys, mass = inside // vocab, (bits[inside] & 0x7FFFFFFF).to(torch.int64), flat[inside]
+    for shift, width in lower:
+        if shift != lower[0][0]:
+            inside = ((keys >> (shift + width)) == prefix[row]).nonzero().squeeze(1)
+            row, keys, mass = row[inside], keys[inside], mass[inside]
+        slots = (row << width) | ((keys >> shift) & ((1 << width) - 1))
+        before, prefix = _next_digit(slots, mass, width, before, prefix, threshold)
+    return -prefix.to(torch.int32).view(torch.float32)
+
+
+def _next_digit(
+    slots: torch.Tensor,
+    mass: torch.Tensor,
+    width: int,
+    before: torch.Tensor,
+    prefix: torch.Tensor,
+    threshold: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One digit of :func:`nucleus_by_digits`: from each value's slot (its row's ``2**width`` digits, its own) and
+    float64 weight, the first digit at which a row's mass, counted from ``before``, reaches its ``threshold``; returns
+    the mass before that digit and the prefix extended by it."""
+    count = len(before)
+    hist = torch.bincount(slots, weights=mass, minlength=count << width).view(count, 1 << width)
+    cum = torch.cumsum(hist, dim=-1)
+    first = (before[:, None] + cum < threshold[:, None]).sum(-1)  # the first digit whose mass reaches it
+    last = (hist > 0).to(torch.int64).cumsum(-1).argmax(-1)  # a sum rounded below it: the last with mass
+    first = torch.minimum(first, last)
+    below = cum.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1)
+    return before + torch.where(first > 0, below, 0.0), (prefix << width) | first
 
 
 def _may_end_within(
@@ -169,20 +245,6 @@ def _head(values: torch.Tensor, width: torch.Tensor, floor: torch.Tensor) -> tup
     mine = torch.arange(values.shape[-1], device=values.device)[None, :] < width[:, None]
     given = torch.where(mine & (values >= floor[:, None]), values, -torch.inf)
     return given, torch.exp(given)
-
-
-def _kept_mass(
-    scaled: torch.Tensor, values: torch.Tensor, own: torch.Tensor, floor: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Each row's weight ``exp(scaled)`` at or above its floor, float64 ``[B]``: from its candidates' ``weights``
-    (:func:`_head`'s) when they hold all of it (its last candidate is below the floor), else over the vocabulary."""
-    last = values.gather(1, (own - 1)[:, None]).squeeze(1)
-    total = weights.sum(-1, dtype=torch.float64)
-    spill = (last >= floor).nonzero().flatten()
-    if len(spill):
-        rows = scaled[spill]
-        total[spill] = (torch.exp(rows) * (rows >= floor[spill, None])).sum(-1, dtype=torch.float64)
-    return total
 
 
 def filter_logits(

@@ -2,6 +2,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from ead_llm.accounting.ledger import forward_flops, parameter_ratio
 from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits, sorted_descending
@@ -116,3 +118,105 @@ def test_sorted_descending_is_torch_sort(dtype: torch.dtype) -> None:
     got, want = sorted_descending(rows), torch.sort(rows, dim=-1, descending=True).values
     assert got.dtype == dtype and torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def sorted_floor(given: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus floor of rows ``given`` ``[R, V]`` read off the rows sorted whole (-inf: all kept)."""
+    from ead_llm.core import ops
+
+    ordered = sorted_descending(given)
+    weights = torch.exp(ordered)
+    edge = ops._nucleus_floor(ordered, weights, torch.exp(given).sum(-1, dtype=torch.float64), top_p)
+    return torch.where(torch.isnan(edge), -math.inf, edge)
+
+
+@settings(max_examples=25, deadline=None)
+@example(seed=0, vocab=151_936, spread=0.05, step=0.0, top_p=0.9, masked=0)  # Qwen's vocabulary, flat
+@example(seed=1, vocab=5000, spread=1.0, step=0.25, top_p=0.6, masked=1000)  # ties at the edge, a grammar's mask
+@example(seed=2, vocab=5000, spread=12.0, step=0.0, top_p=0.999, masked=0)  # weights that underflow to 0
+@given(
+    seed=st.integers(0, 10_000),
+    vocab=st.sampled_from([70, 5000, 151_936]),
+    spread=st.sampled_from([1e-4, 0.05, 1.0, 12.0]),
+    step=st.sampled_from([0.0, 0.25, 2.0**-20]),
+    top_p=st.sampled_from([0.05, 0.6, 0.9, 0.999]),
+    masked=st.sampled_from([0, 1000]),
+)
+def test_the_digit_search_finds_the_floor_the_sorted_row_gives(
+    seed: int, vocab: int, spread: float, step: float, top_p: float, masked: int
+) -> None:
+    """The nucleus found a digit at a time equals the one read off the sorted row, to the bit: flat rows (most of
+    a 151,936-token row kept), ties (rounded values, several sharing every digit but the last), masked tokens,
+    weights that underflow; a row alone gets the floor it gets in a batch."""
+    from ead_llm.core.ops import nucleus_by_digits
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, vocab, generator=gen) * spread
+    if step:
+        logits = torch.round(logits / step) * step
+    logits[1, : min(masked, vocab - 1)] = -math.inf
+    given = apply_temperature(logits, 1.0)
+    p = torch.full((3,), top_p)
+    weights = torch.exp(given)
+    total = weights.sum(-1, dtype=torch.float64)
+    found, want = nucleus_by_digits(given, weights, total, p), sorted_floor(given, p)
+    assert torch.equal(given >= found[:, None], given >= want[:, None])
+    finite = want > -math.inf  # a row that keeps everything may also say so with its smallest value
+    assert torch.equal(found[finite], want[finite])
+    for b in range(3):
+        alone = nucleus_by_digits(given[b : b + 1], weights[b : b + 1], total[b : b + 1], p[:1])
+        assert torch.equal(alone, found[b : b + 1])
+
+
+def test_the_digit_search_keeps_a_tie_at_the_edge_and_an_edge_on_a_token() -> None:
+    """Engineered edges: a tie group straddling the nucleus's edge is kept whole; mass that reaches top_p exactly at
+    a token (0.5 + 0.3 at 0.8) stops there, as the sorted rule does; top_p reached at the very largest value keeps it
+    alone."""
+    from ead_llm.core.ops import nucleus_by_digits
+
+    def floor(probs: list[float], top_p: float, pad: int = 3000) -> float:
+        row = torch.tensor(probs + [1e-12] * pad, dtype=torch.float64).log().float()
+        given = row - row.max()
+        weights = torch.exp(given)[None]
+        return float(
+            nucleus_by_digits(given[None], weights, weights.sum(-1, dtype=torch.float64), torch.tensor([top_p]))
+        )
+
+    tie = math.log(0.2 / 0.4)
+    assert floor([0.4, 0.2, 0.2, 0.2], 0.5) == pytest.approx(tie)  # the three 0.2s, all kept
+    assert floor([0.5, 0.3, 0.2], 0.8) == pytest.approx(math.log(0.3 / 0.5))  # 0.2 dropped
+    assert floor([0.9, 0.05, 0.05], 0.5) == 0.0
+
+
+def test_the_filter_sorts_rows_it_cannot_search_by_digits() -> None:
+    """Values above 0 (a caller that did not shift them) or a NaN: the whole row is sorted instead, and the kept set
+    is still the plain rule's."""
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(2, 4000, generator=gen) * 0.05 + 3.0  # flat: the nucleus reaches past 1,024 tokens
+    from ead_llm.core import ops
+
+    floor, _, _ = ops.kept_floor(
+        rows, torch.zeros(2, dtype=torch.long), torch.full((2,), 0.9), max_top_k=0, any_top_p=True
+    )
+    ordered = sorted_descending(rows)
+    weights = torch.exp(ordered)
+    want = ops._nucleus_floor(ordered, weights, torch.exp(rows).sum(-1, dtype=torch.float64), torch.full((2,), 0.9))
+    assert torch.equal(floor, want)
+
+
+def test_a_digit_is_the_first_whose_mass_reaches_the_threshold_and_never_one_without_mass() -> None:
+    """One digit of the search: mass exactly at the threshold reaches it (the sorted rule's ``>=``); a threshold the
+    digits' sums fall short of by rounding picks the last digit holding mass, never an empty one past it."""
+    from ead_llm.core.ops import _next_digit
+
+    slots, mass = torch.tensor([0, 1, 5, 6]), torch.tensor([0.25, 0.25, 0.5, 0.0], dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+    prefix = torch.zeros(2, dtype=torch.int64)
+    before, found = _next_digit(slots, mass, 2, zero, prefix, torch.tensor([0.25, 0.5 + 1e-12], dtype=torch.float64))
+    assert found.tolist() == [
+        0,
+        1,
+    ]  # row 0 reaches 0.25 at its first digit; row 1's sums never reach: its last with mass
+    assert before.tolist() == [0.0, 0.0]
+    before, found = _next_digit(slots, mass, 2, zero, prefix + 1, torch.tensor([0.5, 0.1], dtype=torch.float64))
+    assert found.tolist() == [(1 << 2) | 1, (1 << 2) | 1] and before.tolist() == [0.25, 0.0]

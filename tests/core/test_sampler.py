@@ -248,18 +248,19 @@ def test_sorting_every_row_whole_keeps_and_draws_what_the_search_does(
 
 
 @pytest.mark.parametrize(("top_p", "wider_looks"), [(0.95, 0), (0.2, 1)], ids=["past-the-wider", "among-the-wider"])
-def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_sorted_at_once(
+def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_searched_at_once(
     top_p: float, wider_looks: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A flat row's nucleus of ~2,800 of 3,000 tokens cannot lie among its 1,024 most likely (bounded from its 64
-    candidates), so the row is sorted at once with no look at those 1,024; a nucleus of ~600 is found among them
-    without a sort. The kept set is the plain rule's either way."""
+    candidates), so the whole row is searched at once with no look at those 1,024, and never sorted; a nucleus of
+    ~600 is found among them without a whole-row search. The kept set is the plain rule's either way."""
     from ead_llm.core import ops
 
     logits = torch.randn(1, 3000, generator=torch.Generator().manual_seed(1)) * 0.05
-    looks, sorts, topk, ordered = [], [], torch.topk, ops.sorted_descending
+    looks, searches, topk, search = [], [], torch.topk, ops.nucleus_by_digits
     monkeypatch.setattr(torch, "topk", lambda x, k, *a, **kw: looks.append(k) or topk(x, k, *a, **kw))
-    monkeypatch.setattr(ops, "sorted_descending", lambda rows: sorts.append(rows.shape) or ordered(rows))
+    monkeypatch.setattr(ops, "nucleus_by_digits", lambda given, *a: searches.append(given.shape) or search(given, *a))
+    monkeypatch.setattr(ops, "sorted_descending", lambda rows: pytest.fail("a row was sorted"))
     kept = filter_logits(
         logits,
         torch.full((1,), 0.9),
@@ -268,5 +269,5 @@ def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_sorted_at_once(
         max_top_k=0,
         any_top_p=True,
     )
-    assert looks.count(ops.WIDER) == wider_looks and len(sorts) == 1 - wider_looks
+    assert looks.count(ops.WIDER) == wider_looks and len(searches) == 1 - wider_looks
     assert torch.equal(kept[0] > -math.inf, reference_probs(logits[0], 0.9, 0, top_p) > 0)
