@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -86,6 +87,33 @@ def sorts_whole_rows(tensor: torch.Tensor) -> bool:
     return tensor.device.type in SORT_WHOLE_ROWS
 
 
+class Kept(NamedTuple):
+    """:func:`kept_floor`'s answer."""
+
+    floor: torch.Tensor
+    """[B] the smallest value each row keeps (-inf: all)."""
+    values: torch.Tensor
+    """[B, C] each row's candidates, most likely first."""
+    ids: torch.Tensor
+    """[B, C] their token ids."""
+    spilled: torch.Tensor | None = None
+    """[S] the rows whose top-k kept set reaches past their candidates (ascending), when their weights were needed."""
+    weights: torch.Tensor | None = None
+    """[S, V] float32 ``exp`` of those rows' values, 0 below their top-k floor."""
+
+    def kept_weights(self, rows: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+        """The weights of ``rows`` (a subset of :attr:`spilled` when it is known) of ``scaled`` ``[B, V]`` over
+        the tokens they keep, 0 elsewhere -> ``[len(rows), V]`` float32."""
+        mine = scaled if len(rows) == len(scaled) else scaled[rows]
+        if self.spilled is None or self.weights is None:
+            weights = torch.exp(mine)
+        else:
+            weights = (
+                self.weights if len(rows) == len(self.spilled) else self.weights[torch.searchsorted(self.spilled, rows)]
+            )
+        return torch.where(mine >= self.floor[rows, None], weights, 0.0)
+
+
 def kept_floor(
     scaled: torch.Tensor,
     top_k: torch.Tensor,
@@ -93,7 +121,7 @@ def kept_floor(
     *,
     max_top_k: int,
     any_top_p: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Kept:
     """The one sampling filter as a floor: a row keeps every token whose temperature-scaled logit is at least its
     floor ``[B]`` (-inf: all). Top-k's floor is the k-th largest value; top-p's, on what top-k kept, the last value
     whose strictly more likely tokens hold less than ``top_p`` of the mass. Ties at either cut are kept, so the
@@ -103,7 +131,7 @@ def kept_floor(
     among the ``WIDER`` most likely, then over the whole row (:func:`nucleus_by_digits`: the floor the sorted row
     gives, without a sort). Where :func:`sorts_whole_rows`, every row is sorted whole at once (the same
     floor, without a step that depends on the data). Also returns the candidates (values and ids ``[B, C]``, most
-    likely first).
+    likely first), and the weights over the vocabulary of the rows whose kept tokens reach past them (:class:`Kept`).
     """
     batch, vocab = scaled.shape
     own = candidate_width(top_k, vocab)
@@ -114,15 +142,17 @@ def kept_floor(
         kth = values.gather(1, (torch.clamp(top_k, min=1, max=width) - 1)[:, None]).squeeze(1)
         floor = torch.where(top_k > 0, kth, floor)
     if not any_top_p:
-        return floor, values, ids
+        return Kept(floor, values, ids)
     if sorts_whole_rows(scaled):
         given, weights = _head(sorted_descending(scaled), torch.full_like(own, vocab), floor)
         nucleus = _nucleus_floor(given, weights, weights.sum(-1, dtype=torch.float64), top_p)
-        return torch.maximum(floor, torch.where(torch.isnan(nucleus), -torch.inf, nucleus)), values, ids
+        return Kept(torch.maximum(floor, torch.where(torch.isnan(nucleus), -torch.inf, nucleus)), values, ids)
     given, weights = _head(values, own, floor)
     total = weights.sum(-1, dtype=torch.float64)
     last = values.gather(1, (own - 1)[:, None]).squeeze(1)
     spill = (last >= floor).nonzero().flatten()  # rows whose kept tokens reach past their candidates
+    whole: torch.Tensor | None = None
+    whole_weights: torch.Tensor | None = None
     if len(spill):  # their kept mass, over the whole row
         whole = scaled if len(spill) == batch else scaled[spill]
         if max_top_k:
@@ -143,19 +173,21 @@ def kept_floor(
                 *_head(ordered, torch.full_like(deeper, wider), floor[deeper]), total[deeper], top_p[deeper]
             )
             continue
-        if len(deeper) < len(spill):  # a row past its candidates spilled: its whole row is at hand
+        assert whole is not None and whole_weights is not None  # a row past its candidates spilled
+        mine, mine_weights = whole, whole_weights
+        if len(deeper) < len(spill):  # its whole row is at hand
             at = torch.searchsorted(spill, deeper)
-            whole, whole_weights = whole[at], whole_weights[at]
+            mine, mine_weights = whole[at], whole_weights[at]
         searched = torch.isfinite(values[deeper, 0]) & (values[deeper, 0] <= 0)  # values as apply_temperature's
         if bool(searched.all()):
-            nucleus[deeper] = nucleus_by_digits(whole, whole_weights, total[deeper], top_p[deeper])
+            nucleus[deeper] = nucleus_by_digits(mine, mine_weights, total[deeper], top_p[deeper])
         else:  # NaN, or a caller's values above 0: the row sorted whole
             ordered = sorted_descending(scaled[deeper])
             found = _nucleus_floor(
                 *_head(ordered, torch.full_like(deeper, vocab), floor[deeper]), total[deeper], top_p[deeper]
             )
             nucleus[deeper] = torch.where(torch.isnan(found), -torch.inf, found)  # nothing dropped: all kept
-    return torch.maximum(floor, nucleus), values, ids
+    return Kept(torch.maximum(floor, nucleus), values, ids, spill, whole_weights)
 
 
 DIGITS = ((18, 13), (9, 9), (0, 9))
@@ -174,18 +206,18 @@ def nucleus_by_digits(
     over the values that share the digits found so far, the cumulative mass finding the next digit. A pass over the
     row and two over the few values left, instead of a sort."""
     count, vocab, device = *given.shape, given.device
-    bits = given.view(torch.int32).reshape(-1)
     threshold = top_p.to(torch.float64) * total * (1.0 - NUCLEUS_RTOL)
     before = torch.zeros(count, dtype=torch.float64, device=device)  # mass of the values above the prefix
     prefix = torch.zeros(count, dtype=torch.int64, device=device)  # the digits found so far
     (shift, width), *lower = DIGITS
     offsets = torch.arange(count, device=device, dtype=torch.int32)[:, None] << width
     slots = (given.view(torch.int32) >> shift).bitwise_and_((1 << width) - 1).add_(offsets).view(-1)
-    flat = weights.reshape(-1).to(torch.float64)
-    before, prefix = _next_digit(slots, flat, width, before, prefix, threshold)
+    before, prefix = _next_digit(slots, weights.reshape(-1).to(torch.float64), width, before, prefix, threshold)
     target = prefix.to(torch.int32)[:, None] + offsets
-    inside = (slots.view(count, vocab) == target).view(-1).nonzero().squeeze(1)
-    row, keys, mass = inside // vocab, (bits[inside] & 0x7FFFFFFF).to(torch.int64), flat[inside]
+    inside = (slots.view(count, vocab) == target).view(-1).nonzero().squeeze(1)  # the values sharing the digit
+    row = torch.div(inside, vocab, rounding_mode="floor")
+    keys = (given.view(torch.int32).reshape(-1).index_select(0, inside) & 0x7FFFFFFF).to(torch.int64)
+    mass = weights.reshape(-1).index_select(0, inside).to(torch.float64)
     for shift, width in lower:
         if shift != lower[0][0]:
             inside = ((keys >> (shift + width)) == prefix[row]).nonzero().squeeze(1)
@@ -265,7 +297,7 @@ def filter_logits(
     scaled = apply_temperature(logits, temperature[:, None])
     if not max_top_k and not any_top_p:
         return scaled
-    floor = kept_floor(scaled, top_k, top_p, max_top_k=max_top_k, any_top_p=any_top_p)[0]
+    floor = kept_floor(scaled, top_k, top_p, max_top_k=max_top_k, any_top_p=any_top_p).floor
     return scaled.masked_fill(scaled < floor[:, None], -torch.inf)
 
 

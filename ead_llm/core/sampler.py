@@ -213,7 +213,8 @@ def _filtered_draw(
 ) -> torch.Tensor:
     """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
     vocab = scaled.shape[-1]
-    floor, values, ids = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
+    kept_set = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
+    floor, values, ids = kept_set.floor, kept_set.values, kept_set.ids
     if sorts_whole_rows(scaled):  # every row over the vocabulary: no step that depends on the data
         return inverse_cdf(torch.where(scaled >= floor[:, None], torch.exp(scaled), 0.0), u)[:, 0]
     own = candidate_width(top_k, vocab)
@@ -225,9 +226,7 @@ def _filtered_draw(
     drawn = by_id.gather(1, inverse_cdf(weights, u))[:, 0]
     wide = (~fits).nonzero().flatten()
     if len(wide):  # rows whose kept set reaches past their candidates draw over the vocabulary
-        row = scaled[wide]
-        full = torch.where(row >= floor[wide, None], torch.exp(row), 0.0)
-        drawn[wide] = inverse_cdf(full, u[wide])[:, 0]
+        drawn[wide] = inverse_cdf(kept_set.kept_weights(wide, scaled), u[wide])[:, 0]
     return drawn
 
 

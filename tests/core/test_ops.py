@@ -195,9 +195,9 @@ def test_the_filter_sorts_rows_it_cannot_search_by_digits() -> None:
     rows = torch.randn(2, 4000, generator=gen) * 0.05 + 3.0  # flat: the nucleus reaches past 1,024 tokens
     from ead_llm.core import ops
 
-    floor, _, _ = ops.kept_floor(
+    floor = ops.kept_floor(
         rows, torch.zeros(2, dtype=torch.long), torch.full((2,), 0.9), max_top_k=0, any_top_p=True
-    )
+    ).floor
     ordered = sorted_descending(rows)
     weights = torch.exp(ordered)
     want = ops._nucleus_floor(ordered, weights, torch.exp(rows).sum(-1, dtype=torch.float64), torch.full((2,), 0.9))

@@ -271,3 +271,22 @@ def test_a_nucleus_that_cannot_end_among_the_wider_tokens_is_searched_at_once(
     )
     assert looks.count(ops.WIDER) == wider_looks and len(searches) == 1 - wider_looks
     assert torch.equal(kept[0] > -math.inf, reference_probs(logits[0], 0.9, 0, top_p) > 0)
+
+
+def test_rows_drawn_over_the_vocabulary_take_their_own_weights_in_a_mixed_batch() -> None:
+    """Flat rows (drawn over the whole vocabulary, from the weights the filter already computed) between peaked
+    rows whose nucleus lies among their candidates and a top-k row: each row draws in the batch what it draws
+    alone, and only tokens the plain rule keeps."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = 4000
+    logits = torch.randn(5, vocab, generator=gen)
+    logits[[0, 2, 4]] *= 0.01  # flat: the nucleus reaches far past the candidates
+    logits[1, 17] = 30.0  # peaked: one token holds the mass
+    settings_ = [(0.9, 0, 0.9), (0.9, 0, 0.9), (0.9, 0, 0.5), (0.9, 50, 0.95), (0.9, 0, 0.99)]
+    for position in range(20):
+        rows = [(t, k, p, stream_key(3, b), position) for b, (t, k, p) in enumerate(settings_)]
+        together = sample(logits, SamplingMetadata.build(rows))
+        for b, (t, k, p) in enumerate(settings_):
+            alone = sample(logits[b : b + 1], SamplingMetadata.build(rows[b : b + 1]))
+            assert int(alone) == int(together[b]), (position, b)
+            assert reference_probs(logits[b], t, k, p)[int(alone)] > 0
