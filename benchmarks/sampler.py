@@ -1,11 +1,13 @@
 """The sampler's cost per pass, against another revision's sampler side by side.
 
 Logits are SmolLM2-135M-Instruct's at 64 positions of a story it is writing (real next-token
-distributions: most nuclei are a few tokens, some reach 150), or random peaked ones with ``--random``.
+distributions: most nuclei are a few tokens, some reach 150), random peaked ones with ``--random``, or flat ones
+over Qwen2.5's 151,936 tokens with ``--flat`` (a random model's: top-p keeps most of each row, so the filter
+searches whole rows).
 For batch 1, 16 and 64 and each setting (temperature only, top-k, top-p, both), both samplers draw the
 same rows alternately, ``--repeats`` times each; the table gives the medians and new/old.
 
-    OMP_NUM_THREADS=1 python benchmarks/sampler.py [--against REV] [--repeats 15] [--random]
+    OMP_NUM_THREADS=1 python benchmarks/sampler.py [--against REV] [--repeats 15] [--random | --flat]
 
 ``--against`` (default ``ba9eabd``, the sampler before issue 23's single filter) is any git revision; its
 ``ead_llm/core/sampler.py`` and ``ops.py`` are loaded from git into modules of their own, so the comparison
@@ -81,15 +83,22 @@ def random_logits() -> torch.Tensor:
     return logits
 
 
+def flat_logits() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(64, 151_936, generator=generator) * 0.05
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", default="ba9eabd", help="git revision of the other sampler (default ba9eabd)")
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--random", action="store_true", help="random peaked logits instead of SmolLM2's")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--random", action="store_true", help="random peaked logits instead of SmolLM2's")
+    kind.add_argument("--flat", action="store_true", help="flat logits over 151,936 tokens instead of SmolLM2's")
     args = parser.parse_args()
     torch.set_num_threads(1)
     old = revision_sampler(args.against)
-    logits = random_logits() if args.random else story_logits()
+    logits = random_logits() if args.random else flat_logits() if args.flat else story_logits()
     print(f"threads {torch.get_num_threads()}, vocabulary {logits.shape[1]}, against {args.against}")
     print(f"{'batch':>5} {'setting':20} {'old ms':>8} {'new ms':>8} {'new/old':>8}")
     for batch in (1, 16, 64):

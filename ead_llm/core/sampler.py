@@ -183,29 +183,52 @@ class SamplerOutput:
     """[B] float32: entropy of each row's raw logits (before temperature), in bits."""
 
 
+BLOCK_BYTES = 4 << 20
+"""On a CPU a pass's rows are sampled in blocks of about this many bytes of logits, so that the dozen operations
+over a block's rows find them in the cache: 64 flat rows of 151,936 tokens sampled at once ran 2.7x slower than in
+blocks of 4 to 8 rows (the same tokens; each row's draw depends on the row alone)."""
+
+
+def row_blocks(rows: int, vocab: int, device: torch.device) -> list[slice]:
+    """Slices of ``rows`` rows of ``vocab`` float32 logits, each about :data:`BLOCK_BYTES` (one on a GPU)."""
+    per = rows if device.type != "cpu" else max(1, BLOCK_BYTES // (4 * max(1, vocab)))
+    return [slice(start, min(rows, start + per)) for start in range(0, rows, max(1, per))]
+
+
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Tokens ``[B]`` for raw ``logits`` ``[B, V]`` under ``meta`` (see the module docstring).
 
     A sampled row draws by inverse CDF in token-id order over the tokens :func:`ead_llm.core.ops.kept_floor`
     keeps: among its candidates when they hold the whole kept set (the usual case with top-k or top-p),
     else over the vocabulary. Which of the two depends on the row alone, so a seed's draws never depend on
-    the batch. On a device whose filter sorts rows whole (a GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every
-    row draws over the vocabulary, so that no step looks at the data."""
-    greedy = torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
+    the batch (nor on the :func:`row_blocks` the rows are drawn in). On a device whose filter sorts rows whole (a
+    GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every row draws over the vocabulary, so that no step looks at
+    the data."""
     if meta.all_greedy:
-        return greedy
+        return torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
     rows = meta.sampled_rows  # only the sampled rows are filtered
+    count = len(logits) if rows is None else len(rows)
+    blocks = row_blocks(count, logits.shape[-1], logits.device)
+    drawn = torch.cat([_draw(logits, meta, block) for block in blocks]) if len(blocks) > 1 else _draw(logits, meta)
+    return drawn if rows is None else torch.argmax(logits, dim=-1).index_copy(0, rows, drawn)
+
+
+def _draw(logits: torch.Tensor, meta: SamplingMetadata, block: slice | None = None) -> torch.Tensor:
+    """The draws of the sampled rows ``block`` of ``meta`` (all of them when None) -> ``[S]``."""
+    rows = meta.sampled_rows
+    if rows is not None and block is not None:
+        rows = rows[block]
 
     def pick(x: torch.Tensor) -> torch.Tensor:
-        return x if rows is None else x[rows]
+        if rows is not None:
+            return x[rows]
+        return x if block is None else x[block]
 
     scaled = apply_temperature(pick(logits), pick(meta.temperature)[:, None])  # [S, V]
     u = uniforms(pick(meta.keys), pick(meta.positions), LANE_SAMPLE, 1)  # [S, 1]
     if not meta.max_top_k and not meta.any_top_p:
-        drawn = inverse_cdf(torch.exp(scaled), u)[:, 0]
-    else:
-        drawn = _filtered_draw(scaled, pick(meta.top_k), pick(meta.top_p), u, meta)
-    return drawn if rows is None else greedy.index_copy(0, rows, drawn)
+        return inverse_cdf(torch.exp(scaled), u)[:, 0]
+    return _filtered_draw(scaled, pick(meta.top_k), pick(meta.top_p), u, meta)
 
 
 def _filtered_draw(
@@ -235,7 +258,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: [B, V] float32 raw logits of the producing model."""
-        return SamplerOutput(tokens=sample(logits, meta), entropy_bits=entropy_bits(logits))
+        blocks = row_blocks(len(logits), logits.shape[-1], logits.device)
+        entropy = torch.cat([entropy_bits(logits[b]) for b in blocks]) if len(blocks) > 1 else entropy_bits(logits)
+        return SamplerOutput(tokens=sample(logits, meta), entropy_bits=entropy)
 
 
 @dataclass(frozen=True)

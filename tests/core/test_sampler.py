@@ -290,3 +290,32 @@ def test_rows_drawn_over_the_vocabulary_take_their_own_weights_in_a_mixed_batch(
             alone = sample(logits[b : b + 1], SamplingMetadata.build(rows[b : b + 1]))
             assert int(alone) == int(together[b]), (position, b)
             assert reference_probs(logits[b], t, k, p)[int(alone)] > 0
+
+
+@pytest.mark.parametrize("block_rows", [1, 2, 3])
+def test_rows_sampled_in_blocks_give_what_one_block_gives(block_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass's rows drawn in blocks that fit the cache (greedy rows between sampled ones, flat and peaked rows,
+    every filter) give the tokens and entropies the whole batch gives in one block."""
+    from ead_llm.core import sampler as module
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(7, vocab, generator=gen) * torch.tensor([0.01, 3.0, 0.01, 1.0, 0.01, 5.0, 0.5])[:, None]
+    settings_ = [
+        (0.9, 0, 0.9),
+        (0.0, 0, 1.0),
+        (1.0, 40, 0.95),
+        (0.7, 0, 1.0),
+        (0.0, 0, 1.0),
+        (1.2, 0, 0.5),
+        (1.0, 5, 1.0),
+    ]
+    every_row_samples = [(t or 0.8, k, p) for t, k, p in settings_]
+    for position, rows in enumerate([settings_, every_row_samples] * 3):
+        meta = SamplingMetadata.build([(t, k, p, stream_key(9, b), position) for b, (t, k, p) in enumerate(rows)])
+        whole = Sampler()(logits, meta)
+        monkeypatch.setattr(module, "BLOCK_BYTES", 4 * vocab * block_rows)
+        assert len(module.row_blocks(len(logits), vocab, logits.device)) == -(-len(logits) // block_rows)
+        blocked = Sampler()(logits, meta)
+        monkeypatch.undo()
+        assert torch.equal(whole.tokens, blocked.tokens) and torch.equal(whole.entropy_bits, blocked.entropy_bits)
