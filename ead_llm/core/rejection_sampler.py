@@ -20,13 +20,13 @@ without one. Uniforms come from :func:`ead_llm.core.sampler.uniforms`, keyed by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ead_llm.core.ops import entropy_bits, filtered_probs
-from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, uniforms
+from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, row_blocks, uniforms
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import DraftRound, RoundVerdict
 
@@ -75,6 +75,12 @@ class VerifyBatch:
     any_sampled: bool = False
     any_entropy_rule: bool = False
 
+    def rounds(self, block: slice) -> VerifyBatch:
+        """The rounds ``block`` of this batch (the flags stay the whole batch's: they only widen what is computed)."""
+        columns = {f.name: getattr(self, f.name) for f in fields(self)}
+        sliced: dict[str, Any] = {k: v[block] for k, v in columns.items() if isinstance(v, torch.Tensor)}
+        return replace(self, **sliced)
+
 
 @dataclass(frozen=True)
 class VerifyOutput:
@@ -106,7 +112,17 @@ def top_n_overlap(a: torch.Tensor, b: torch.Tensor, top_n: torch.Tensor, largest
 
 
 def verify(batch: VerifyBatch) -> VerifyOutput:
-    """Judge every round of ``batch`` (see the module docstring)."""
+    """Judge every round of ``batch`` (see the module docstring), in blocks of rounds whose logits fit the CPU's
+    cache (:func:`ead_llm.core.sampler.row_blocks`; a round's verdict depends on the round alone)."""
+    rounds, width, vocab = batch.target_logits.shape
+    blocks = row_blocks(rounds, width * vocab, batch.target_logits.device)
+    if len(blocks) == 1:
+        return _verify(batch)
+    verdicts = [_verify(batch.rounds(block)) for block in blocks]
+    return VerifyOutput(*(torch.cat([getattr(v, f.name) for v in verdicts]) for f in fields(VerifyOutput)))
+
+
+def _verify(batch: VerifyBatch) -> VerifyOutput:
     drafts, device = batch.draft_tokens, batch.draft_tokens.device
     gamma = drafts.shape[1]
     vocab = batch.target_logits.shape[-1]

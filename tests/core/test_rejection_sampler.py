@@ -171,3 +171,32 @@ def test_top_n_overlap_per_round() -> None:
     b = torch.tensor([[[1.0, 4, 3, 5, 2]], [[1.0, 4, 3, 5, 2]]])
     # {0,1,2} vs {3,1,2}: 2/3; with n = 1: {0} vs {3}: 0
     assert top_n_overlap(a, b, torch.tensor([3, 1]), 3).flatten().tolist() == pytest.approx([2 / 3, 0.0])
+
+
+@pytest.mark.parametrize("block_rounds", [1, 2])
+def test_rounds_judged_in_blocks_get_the_verdicts_of_one_block(
+    block_rounds: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rounds judged in cache-sized blocks (greedy and sampled, top-p, EASD's rule, the oracle, ragged drafts) get
+    the verdicts, tokens and entropies the whole batch gets at once."""
+    from ead_llm.core import sampler as sampler_module
+
+    gen = torch.Generator().manual_seed(2)
+    drafts = [[0, 1, 2], [1], [2, 2], [0, 1, 2], [3]]
+    small = [[torch.randn(V, generator=gen) * 2 for _ in d] for d in drafts]
+    large = [[torch.randn(V, generator=gen) * 2 for _ in range(len(d) + 1)] for d in drafts]
+    cases = [
+        {},
+        {"temperature": 0.9},
+        {"temperature": 0.9, "top_p": 0.8},
+        {"temperature": 0.9, "entropy_threshold": 0.5, "top_n": 3, "overlap_threshold": 0.3},
+        {"oracle": True},
+    ]
+    for case in cases:
+        rounds = batch(drafts, small, large, positions=[3, 9, 4, 7, 1], **case)
+        whole = verify(rounds)
+        monkeypatch.setattr(sampler_module, "BLOCK_BYTES", 4 * V * 4 * block_rounds)  # G + 1 = 4 positions a round
+        blocked = verify(rounds)
+        monkeypatch.undo()
+        for name in ("accepted", "token", "entropy_rejection", "target_entropy"):
+            assert torch.equal(getattr(whole, name), getattr(blocked, name)), (case, name)
