@@ -124,7 +124,8 @@ class Decoder(ABC):
 
     @abstractmethod
     def read(self, seq: SequenceView) -> Read:
-        """What the sequence needs from the next step."""
+        """What the sequence needs from the next step. Asked again at the next step when the scheduler held its row
+        back (:attr:`ead_llm.core.scheduler.Scheduler.hold_large`), so asking must not move the decoder's state."""
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
         """The actions for a sampled row of this sequence."""

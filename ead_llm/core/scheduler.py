@@ -39,6 +39,17 @@ from ead_llm.core.types import (
 if TYPE_CHECKING:
     from ead_llm.core.grammar import SequenceGrammar
 
+HOLD_SHARE = 1.0
+"""A step's large-model rows may be held back (:attr:`Scheduler.hold_large`) while they are at most this share of
+its small-model rows (16 EAD callers on the embedded pair, A/B in one process: 0.5 gained 16%, 1.0 26%, 2.0 24%)."""
+
+
+def should_hold(large_rows: int, small_rows: int, waited: int, hold: int) -> bool:
+    """Whether a step leaves its ``large_rows`` rows' pass to the next step: the small model's pass has rows of its
+    own to run, the large rows are few beside them (:data:`HOLD_SHARE`), and none has waited ``hold`` steps."""
+    return 0 < large_rows <= HOLD_SHARE * small_rows and waited < hold
+
+
 DONE = object()
 """Delivered after a call's last item, once every request has finished or failed."""
 WAKE = object()
@@ -120,6 +131,8 @@ class Sequence:
     branched_from: tuple[int, int] | None = None
     grammar: SequenceGrammar | None = None
     """Its constraint's state (follows ``tokens``), when the request has one."""
+    held: int = 0
+    """Steps in a row its read of the large model was held back to join a fuller pass (:attr:`Scheduler.hold_large`)."""
 
     def is_end(self, token: int) -> bool:
         return token in self.eos and not self.params.ignore_eos
@@ -167,6 +180,13 @@ class Scheduler:
         self.prefix_caching = True
         """A sequence admitted starts from the cached blocks of its longest cached prefix (each model's own
         cache), and full blocks of final tokens are cached as they are written."""
+        self.hold_large = 1
+        """Steps a row's large-model read may wait while the small model's pass runs without it, so that the large
+        model's pass gathers more rows: in a step where at most :data:`HOLD_SHARE` as many rows read the large model
+        as the small one, and none of them waited already nor branches paths (EAGER: its paths share a budget spent
+        in step order, which a held path would reorder), the large pass is left to the next step (the embedded
+        large model's pass costs 1.4x one row's at 4 rows, 1.9x at 8). A held row is paused, not changed: the same
+        tokens, passes and bill, a step later. 0: never."""
 
     # -- admission (under the engine's lock) ------------------------------------------------------
 
@@ -235,11 +255,19 @@ class Scheduler:
                 continue
             if self._reserve(seq, read.role):
                 passes.setdefault(read.role, []).append((seq, read))
+        if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
+            passes = {role: [(s, r) for s, r in rows if s in self.running] for role, rows in passes.items()}
+        large, small = passes.get(Role.LARGE, []), passes.get(Role.SMALL, [])
+        # a forking decoder's paths share state updated in step order (EAGER's budget): never held, nor the pass
+        waited = max((self.hold_large if seq.decoder.forks else seq.held for seq, _ in large), default=0)
+        if should_hold(len(large), len(small), waited, self.hold_large):
+            for seq, _ in large:
+                seq.held += 1
+            large = []
         plans = []
-        for role in (Role.LARGE, Role.SMALL):
-            rows = passes.get(role, [])
-            if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
-                rows = [(seq, read) for seq, read in rows if seq in self.running]
+        for role, rows in ((Role.LARGE, large), (Role.SMALL, small)):
+            for seq, _ in rows:
+                seq.held = 0
             if rows:
                 plans.append(PassPlan(role, [seq for seq, _ in rows], [read for _, read in rows]))
         return SchedulerOutput(plans)

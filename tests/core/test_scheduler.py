@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import pytest
 
-from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm import EAD, EAGER, EntropyAdaptiveLLM, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
@@ -274,3 +274,69 @@ def test_the_fast_token_event_is_the_dataclass() -> None:
     assert fast == TokenEvent(**fields) and hash(fast) == hash(TokenEvent(**fields))
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.text = "c"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("large", "small", "waited", "hold", "held"),
+    [
+        (1, 4, 0, 1, True),  # few large rows beside small ones: wait for more
+        (4, 4, 0, 1, True),
+        (5, 4, 0, 1, False),  # more large rows than small: run now
+        (2, 0, 0, 1, False),  # the step has nothing else to run
+        (0, 4, 0, 1, False),
+        (1, 4, 1, 1, False),  # one of them waited its step already
+        (1, 4, 1, 2, True),
+        (1, 4, 0, 0, False),  # holding turned off
+    ],
+)
+def test_should_hold(large: int, small: int, waited: int, hold: int, held: bool) -> None:
+    from ead_llm.core.scheduler import should_hold
+
+    assert should_hold(large, small, waited, hold) is held
+
+
+@pytest.mark.parametrize("hold", [1, 2])
+def test_holding_the_large_pass_back_changes_no_token_and_no_bill(
+    embedded_engine: Engine, hold: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests in one batch, EAD, speculative (greedy and sampled), EAGER's branching paths and the rest: with the
+    large model's pass held back for fuller batches, every path's tokens, the model of each and the passes billed
+    with each are what they are without; passes were held, and no row waited more than ``hold`` steps in a row."""
+    from ead_llm.core import scheduler as module
+
+    eager = EAGER(theta=0.2, max_paths=2, temperature=0.0, decoder=EAD(threshold=0.05))  # paths sharing a budget
+    requests = [
+        *_mixed_requests(12),
+        *[
+            Request(p.prompt, SpeculativeDecoding(gamma=3, adaptive_gamma=True), SamplingParams(max_tokens=40, **s))
+            for p, s in zip(problems("test", 4), [{}, {"temperature": 0.8, "seed": 3}] * 2, strict=True)
+        ],
+        *[Request(p.prompt, eager, SamplingParams(max_tokens=60)) for p in problems("test", 12)],
+    ]
+
+    def streams() -> dict[tuple[int, int], list[tuple[int, str, list[tuple[str, int, int]]]]]:
+        out: dict[tuple[int, int], list[tuple[int, str, list[tuple[str, int, int]]]]] = {}
+        for event in embedded_engine.stream(requests):
+            work = [(w.role.letter, w.tokens, w.past) for w in event.work]
+            out.setdefault((event.index, event.path), []).append((event.token_id, event.role.letter, work))
+        return out
+
+    scheduler = embedded_engine.scheduler
+    monkeypatch.setattr(scheduler, "prefix_caching", False)  # both runs start from the same (empty) cache
+    monkeypatch.setattr(scheduler, "hold_large", 0)
+    plain = streams()
+    held, longest = [], []
+    should_hold = module.should_hold
+
+    def spy(large: int, small: int, waited: int, hold_: int) -> bool:
+        answer = should_hold(large, small, waited, hold_)
+        held.append(answer)
+        longest.append(waited)
+        return answer
+
+    monkeypatch.setattr(module, "should_hold", spy)
+    monkeypatch.setattr(scheduler, "hold_large", hold)
+    gathered = streams()
+    assert sum(held) > 0 and max(longest) <= hold
+    assert sorted(plain) == sorted(gathered)  # the same paths
+    assert [key for key in plain if plain[key] != gathered[key]] == []
