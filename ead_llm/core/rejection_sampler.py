@@ -116,7 +116,7 @@ def verify(batch: VerifyBatch) -> VerifyOutput:
     cache (:func:`ead_llm.core.sampler.row_blocks`; a round's verdict depends on the round alone)."""
     rounds, width, vocab = batch.target_logits.shape
     blocks = row_blocks(rounds, width * vocab, batch.target_logits.device)
-    if len(blocks) == 1:
+    if len(blocks) <= 1:
         return _verify(batch)
     verdicts = [_verify(batch.rounds(block)) for block in blocks]
     return VerifyOutput(*(torch.cat([getattr(v, f.name) for v in verdicts]) for f in fields(VerifyOutput)))

@@ -258,9 +258,10 @@ class Scheduler:
         if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
             passes = {role: [(s, r) for s, r in rows if s in self.running] for role, rows in passes.items()}
         large, small = passes.get(Role.LARGE, []), passes.get(Role.SMALL, [])
-        # a forking decoder's paths share state updated in step order (EAGER's budget): never held, nor the pass
+        # a forking decoder's paths share state updated in step order (EAGER's budget): never held, nor the pass;
+        # nor is a pass whose reservations preempted a sequence (the blocks are wanted now)
         waited = max((self.hold_large if seq.decoder.forks else seq.held for seq, _ in large), default=0)
-        if should_hold(len(large), len(small), waited, self.hold_large):
+        if self.preemptions == preempted and should_hold(len(large), len(small), waited, self.hold_large):
             for seq, _ in large:
                 seq.held += 1
             large = []
