@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 HOLD_SHARE = 1.0
 """A step's large-model rows may be held back (:attr:`Scheduler.hold_large`) while they are at most this share of
-its small-model rows (16 EAD callers on the embedded pair, A/B in one process: 0.5 gained 16%, 1.0 26%, 2.0 24%)."""
+its small-model rows (16 EAD callers on the embedded pair, one A/B run in one process: 0.5 gained 16%, 1.0 26%, 2.0
+24%; docs/results.md has the runs)."""
 
 
 def should_hold(large_rows: int, small_rows: int, waited: int, hold: int) -> bool:
