@@ -72,9 +72,6 @@ def candidate_width(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
     return torch.clamp(torch.clamp(top_k, min=CANDIDATES), max=vocab)
 
 
-WIDER = 1024
-"""A nucleus reaching past a row's candidates is looked for among this many before the whole vocabulary is sorted."""
-
 SORT_WHOLE_ROWS = frozenset({"cuda"})
 """Device types on which a top-p filter sorts every row whole instead of searching its candidates first. The search
 looks at the data to choose which rows to sort further (``nonzero``), which on a GPU makes the host wait for the
@@ -127,11 +124,12 @@ def kept_floor(
     whose strictly more likely tokens hold less than ``top_p`` of the mass. Ties at either cut are kept, so the
     kept set depends on the values alone, never on an index order or on the other rows of the batch.
 
-    Worked out on each row's ``candidate_width`` most likely tokens; a nucleus reaching past them is looked for
-    among the ``WIDER`` most likely, then over the whole row (:func:`nucleus_by_digits`: the floor the sorted row
-    gives, without a sort). Where :func:`sorts_whole_rows`, every row is sorted whole at once (the same
-    floor, without a step that depends on the data). Also returns the candidates (values and ids ``[B, C]``, most
-    likely first), and the weights over the vocabulary of the rows whose kept tokens reach past them (:class:`Kept`).
+    Worked out on each row's ``candidate_width`` most likely tokens; a nucleus reaching past them is looked for over
+    the whole row (:func:`nucleus_by_digits`: the floor the sorted row gives, without a sort; no dearer than a look
+    at the 1,024 most likely, which an earlier version took first). Where :func:`sorts_whole_rows`, every row is
+    sorted whole at once (the same floor, without a step that depends on the data). Also returns the candidates
+    (values and ids ``[B, C]``, most likely first), and the weights over the vocabulary of the rows whose kept tokens
+    reach past them (:class:`Kept`).
     """
     batch, vocab = scaled.shape
     own = candidate_width(top_k, vocab)
@@ -161,21 +159,11 @@ def kept_floor(
         total[spill] = whole_weights.sum(-1, dtype=torch.float64)
     nucleus = _nucleus_floor(given, weights, total, top_p)
     nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
-    for wider in (min(vocab, WIDER), vocab):
-        deeper = torch.isnan(nucleus).nonzero().flatten()
-        if wider < vocab:  # a row whose edge cannot lie among the wider ones is searched whole straight away
-            deeper = deeper[_may_end_within(weights[deeper], own[deeper], total[deeper], top_p[deeper], wider)]
-        if not len(deeper):
-            continue
-        if wider < vocab:
-            ordered = torch.topk(scaled[deeper], wider).values
-            nucleus[deeper] = _nucleus_floor(
-                *_head(ordered, torch.full_like(deeper, wider), floor[deeper]), total[deeper], top_p[deeper]
-            )
-            continue
-        assert whole is not None and whole_weights is not None  # a row past its candidates spilled
+    deeper = torch.isnan(nucleus).nonzero().flatten()  # rows whose nucleus reaches past their candidates
+    if len(deeper):
+        assert whole is not None and whole_weights is not None  # such a row spilled: its whole row is at hand
         mine, mine_weights = whole, whole_weights
-        if len(deeper) < len(spill):  # its whole row is at hand
+        if len(deeper) < len(spill):
             at = torch.searchsorted(spill, deeper)
             mine, mine_weights = whole[at], whole_weights[at]
         searched = torch.isfinite(values[deeper, 0]) & (values[deeper, 0] <= 0)  # values as apply_temperature's
@@ -246,21 +234,6 @@ def _next_digit(
     first = torch.minimum(first, last)
     below = cum.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1)
     return before + torch.where(first > 0, below, 0.0), (prefix << width) | first
-
-
-def _may_end_within(
-    weights: torch.Tensor, own: torch.Tensor, total: torch.Tensor, top_p: torch.Tensor, wider: int
-) -> torch.Tensor:
-    """Whether each row's nucleus edge can lie among its ``wider`` most likely tokens ``[R]`` bool, from its
-    candidates' ``weights`` ``[R, C]`` (:func:`_head`'s; the row's ``own`` first are its candidates, all at or
-    above its floor since its edge lies past them) and its ``total`` weight: each token past the candidates weighs
-    at most the last one, so the ``wider`` hold at most the candidates' mass plus that weight for each of the rest.
-    Where even that stays below ``top_p`` of the total (by more than rounding), the wider look would find nothing
-    and the row goes straight to the sort, with the same floor."""
-    held = weights.sum(-1, dtype=torch.float64)
-    last = weights.gather(1, (own - 1)[:, None]).squeeze(1).double()
-    bound = held + torch.clamp(wider - own, min=0) * last
-    return bound >= top_p.double() * total * (1.0 - NUCLEUS_RTOL) * (1.0 - 1e-9)
 
 
 def sorted_descending(rows: torch.Tensor) -> torch.Tensor:
