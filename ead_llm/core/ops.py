@@ -105,9 +105,7 @@ class Kept(NamedTuple):
         if self.spilled is None or self.weights is None:
             weights = torch.exp(mine)
         else:
-            weights = (
-                self.weights if len(rows) == len(self.spilled) else self.weights[torch.searchsorted(self.spilled, rows)]
-            )
+            weights = _among(self.spilled, rows, self.weights)
         return torch.where(mine >= self.floor[rows, None], weights, 0.0)
 
 
@@ -142,9 +140,7 @@ def kept_floor(
     if not any_top_p:
         return Kept(floor, values, ids)
     if sorts_whole_rows(scaled):
-        given, weights = _head(sorted_descending(scaled), torch.full_like(own, vocab), floor)
-        nucleus = _nucleus_floor(given, weights, weights.sum(-1, dtype=torch.float64), top_p)
-        return Kept(torch.maximum(floor, torch.where(torch.isnan(nucleus), -torch.inf, nucleus)), values, ids)
+        return Kept(torch.maximum(floor, _sorted_nucleus(scaled, floor, None, top_p)), values, ids)
     given, weights = _head(values, own, floor)
     total = weights.sum(-1, dtype=torch.float64)
     last = values.gather(1, (own - 1)[:, None]).squeeze(1)
@@ -162,20 +158,28 @@ def kept_floor(
     deeper = torch.isnan(nucleus).nonzero().flatten()  # rows whose nucleus reaches past their candidates
     if len(deeper):
         assert whole is not None and whole_weights is not None  # such a row spilled: its whole row is at hand
-        mine, mine_weights = whole, whole_weights
-        if len(deeper) < len(spill):
-            at = torch.searchsorted(spill, deeper)
-            mine, mine_weights = whole[at], whole_weights[at]
         searched = torch.isfinite(values[deeper, 0]) & (values[deeper, 0] <= 0)  # values as apply_temperature's
         if bool(searched.all()):
+            mine, mine_weights = (_among(spill, deeper, x) for x in (whole, whole_weights))
             nucleus[deeper] = nucleus_by_digits(mine, mine_weights, total[deeper], top_p[deeper])
         else:  # NaN, or a caller's values above 0: the row sorted whole
-            ordered = sorted_descending(scaled[deeper])
-            found = _nucleus_floor(
-                *_head(ordered, torch.full_like(deeper, vocab), floor[deeper]), total[deeper], top_p[deeper]
-            )
-            nucleus[deeper] = torch.where(torch.isnan(found), -torch.inf, found)  # nothing dropped: all kept
+            nucleus[deeper] = _sorted_nucleus(scaled[deeper], floor[deeper], total[deeper], top_p[deeper])
     return Kept(torch.maximum(floor, nucleus), values, ids, spill, whole_weights)
+
+
+def _among(spilled: torch.Tensor, rows: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """The rows of ``tensor`` (one per row of ``spilled``, ascending) that belong to ``rows`` (a subset of them)."""
+    return tensor if len(rows) == len(spilled) else tensor[torch.searchsorted(spilled, rows)]
+
+
+def _sorted_nucleus(
+    rows: torch.Tensor, floor: torch.Tensor, total: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The nucleus floor of ``rows`` ``[R, V]`` read off the rows sorted whole, over their values at or above
+    ``floor``, against ``total`` (None: the sorted weights' own sum); -inf where nothing is dropped."""
+    given, weights = _head(sorted_descending(rows), torch.full_like(floor, rows.shape[-1], dtype=torch.int64), floor)
+    edge = _nucleus_floor(given, weights, weights.sum(-1, dtype=torch.float64) if total is None else total, top_p)
+    return torch.where(torch.isnan(edge), -torch.inf, edge)
 
 
 DIGITS = ((18, 13), (9, 9), (0, 9))
