@@ -63,13 +63,14 @@ def hold_ab(engine: Engine, requests: list[Request], repeats: int) -> dict[str, 
     """The callers together with the large pass held back (``hold_large`` 1) and without (0), alternated."""
     rates: dict[int, list[float]] = {0: [], 1: []}
     texts: dict[int, list[tuple[int, ...]]] = {}
+    setting = engine.scheduler.hold_large
     for _ in range(repeats):
         for hold in (0, 1):
             engine.scheduler.hold_large = hold
             out, elapsed = concurrent(engine, requests)
             rates[hold].append(sum(len(c.token_ids) for c in out) / elapsed)
             texts.setdefault(hold, [tuple(c.token_ids) for c in out])
-    engine.scheduler.hold_large = 1
+    engine.scheduler.hold_large = setting
     ratios = sorted(b / a for a, b in zip(rates[0], rates[1], strict=True))
     return {
         "tokens_per_s_without": statistics.median(rates[0]),

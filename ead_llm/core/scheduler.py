@@ -259,19 +259,21 @@ class Scheduler:
         if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
             passes = {role: [(s, r) for s, r in rows if s in self.running] for role, rows in passes.items()}
         large, small = passes.get(Role.LARGE, []), passes.get(Role.SMALL, [])
-        # a forking decoder's paths share state updated in step order (EAGER's budget): never held, nor the pass;
-        # nor is a pass whose reservations preempted a sequence (the blocks are wanted now)
-        waited = max((self.hold_large if seq.decoder.forks else seq.held for seq, _ in large), default=0)
-        if self.preemptions == preempted and should_hold(len(large), len(small), waited, self.hold_large):
+        # never held: a pass whose reservations preempted a sequence (the blocks are wanted now), nor a forking
+        # decoder's path (its paths share state updated in step order: EAGER's budget)
+        may_hold = self.preemptions == preempted and not any(seq.decoder.forks for seq, _ in large)
+        waited = max((seq.held for seq, _ in large), default=0)
+        if may_hold and should_hold(len(large), len(small), waited, self.hold_large):
             for seq, _ in large:
                 seq.held += 1
             large = []
-        plans = []
-        for role, rows in ((Role.LARGE, large), (Role.SMALL, small)):
-            for seq, _ in rows:
-                seq.held = 0
-            if rows:
-                plans.append(PassPlan(role, [seq for seq, _ in rows], [read for _, read in rows]))
+        for seq, _ in large:  # only a row reading the large model can have waited
+            seq.held = 0
+        plans = [
+            PassPlan(role, [seq for seq, _ in rows], [read for _, read in rows])
+            for role, rows in ((Role.LARGE, large), (Role.SMALL, small))
+            if rows
+        ]
         return SchedulerOutput(plans)
 
     def _reserve(self, seq: Sequence, role: Role) -> bool:
