@@ -796,7 +796,7 @@ def check_args(args: argparse.Namespace) -> None:
     from ead_llm.core.validation import check_float, check_int
 
     small, large = getattr(args, "small", None), getattr(args, "large", None)
-    if (small is None) != (large is None):
+    if hasattr(args, "small") and (small is None) != (large is None):  # a pair's commands (distill takes one model)
         raise ValueError("pass both --small and --large, or neither for the embedded pair")
     for name, source in (("small", small), ("large", large)):
         if source is not None:

@@ -145,6 +145,13 @@ def test_a_missing_target_folder_is_named(tmp_path: Path, capsys: pytest.Capture
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
 
 
+def test_the_cli_runs_the_subcommand(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ead_llm.serving.cli import main
+
+    assert main(["distill", *_args(target, tmp_path / "cli")]) == 0
+    assert "top-1 agreement" in capsys.readouterr().out and (tmp_path / "cli" / "draft_card.json").is_file()
+
+
 def test_the_cli_has_the_subcommand() -> None:
     args = build_parser().parse_args(["distill", "--large", "m", "--out", "o", "--steps", "2", "--exclude", "b.jsonl"])
     assert args.steps == 2 and args.exclude == "b.jsonl" and args.func.__name__ == "cmd_distill"
