@@ -37,7 +37,7 @@ def main() -> None:
     draft_dir = args.draft or str(smollm2.fast_draft())
     asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
     wanted = [(q, k) for q in range(len(asked)) for k in range(args.samples)]
-    examples = written(target_dir, asked, wanted, args.seed, args.max_tokens, None)
+    examples = written(target_dir, dict(enumerate(asked)), wanted, args.seed, args.max_tokens, None)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     read_features(target, examples)
     del target

@@ -19,6 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
     p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled")
     p.add_argument("--questions", type=int, default=None, help="use only the first N questions (default: all)")
+    p.add_argument(
+        "--own-questions",
+        type=int,
+        default=0,
+        help="also N questions the target writes itself, its chat template opened for a user's turn (default 0)",
+    )
+    p.add_argument("--own-samples", type=int, default=1, help="answers to each own question (default 1: greedy)")
     p.add_argument("--max-tokens", type=int, default=128, help="longest answer (default 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--batch", type=int, default=16, help="answers per step (default 16)")

@@ -3,7 +3,9 @@
     ead-llm distill --large MODEL --out DIR [--minutes M | --steps N] [--seed S]
 
 1. The target writes answers to a fixed, seeded set of chat questions through the engine (one greedy answer
-   and ``samples - 1`` sampled at temperature 0.8, top-p 0.95): the text a draft meets.
+   and ``samples - 1`` sampled at temperature 0.8, top-p 0.95): the text a draft meets. With ``own_questions``,
+   the target also writes that many questions itself, its chat template opened for a user's turn and left for it
+   to fill (Magpie, Xu et al. 2024): questions as varied as what it was tuned on, answered ``own_samples`` times.
 2. Its final hidden states on that text are kept: they are the draft's inputs, and its head on them gives the
    next-token distributions the draft learns.
 3. The draft's head keeps the ``vocab`` tokens the target wrote most often (FR-Spec); its ``layers`` layers (1 by
@@ -239,6 +241,76 @@ def questions(seed: int) -> list[str]:
     return out + more
 
 
+OWN_QUESTION_TOKENS = 64
+"""Longest question the target may write itself; one running past it is dropped (it was cut, not asked)."""
+
+
+def user_turn(tokenizer: Any) -> str:
+    """The chat template's text up to where a user's words go: what the model continues with a question."""
+    marker = "\u2063ead-llm-question\u2063"
+    text = str(tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False))
+    if marker not in text:
+        raise ValueError("the target's chat template does not write the user's words; it cannot ask own questions")
+    return text[: text.index(marker)]
+
+
+def own_questions(model_dir: str, indices: list[int], seed: int, dtype: str | None) -> dict[int, str]:
+    """Question ``i`` of ``indices`` the target writes itself (Magpie): its chat template opened for a user's turn,
+    continued at temperature 1, top-p 0.95, seeded by ``seed`` and ``i`` (the same question whatever else is
+    asked with it). A question the model did not end within :data:`OWN_QUESTION_TOKENS` tokens comes back as
+    ``""`` (not asked)."""
+    from ead_llm import LargeOnly
+    from ead_llm.core.engine import Engine
+    from ead_llm.core.loading import LoadConfig, load_pair
+    from ead_llm.core.request import Request, SamplingParams
+
+    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
+    try:
+        opened = user_turn(engine.tokenizer)
+        params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=OWN_QUESTION_TOKENS, seed=seed)
+        out = {}
+        for first in range(0, len(indices), 64):
+            chunk = indices[first : first + 64]
+            done = engine.generate([Request(opened, LargeOnly(), params, sample_index=i) for i in chunk])
+            for i, result in zip(chunk, done, strict=True):
+                out[i] = result.text.strip() if result.finish_reason == "stop" else ""
+        return out
+    finally:
+        engine.close()
+
+
+def own_questions_kept(source: str, count: int, seed: int, data: str | None) -> list[str]:
+    """The first ``count`` questions the target writes itself (:func:`own_questions`); with ``data``, kept beside
+    it (``data + '.questions'``) and only the missing ones written."""
+    if count == 0:
+        return []
+    cached = Path(data + ".questions") if data else None
+    kept: dict[int, str] = {}
+    if cached is not None and cached.exists():
+        stored = json.loads(cached.read_text())
+        if stored["seed"] == seed:
+            kept = {int(i): q for i, q in stored["questions"].items()}
+    missing = [i for i in range(count) if i not in kept]
+    if missing:
+        kept.update(own_questions(source, missing, seed, None))
+        if cached is not None:
+            cached.write_text(json.dumps({"seed": seed, "questions": {str(i): q for i, q in sorted(kept.items())}}))
+    return [kept[i] for i in range(count)]
+
+
+OWN_FIRST = 1_000_000
+"""Index of the first question the target writes itself (the set's questions keep theirs, whatever their count,
+so that a data file's answers stay with their questions)."""
+
+
+def asked_once(asked: dict[int, str], kept: set[int]) -> set[int]:
+    """``kept`` without blank questions and without any question asked at a lower index."""
+    first: dict[str, int] = {}
+    for i in sorted(asked):
+        first.setdefault(asked[i], i)
+    return {i for i in kept if asked[i] and first[asked[i]] == i}
+
+
 @dataclass
 class Example:
     """A chat prompt and one of the target's answers, with the target's features and greedy next tokens."""
@@ -254,7 +326,12 @@ class Example:
 
 
 def written(
-    model_dir: str, prompts: list[str], wanted: list[tuple[int, int]], seed: int, max_tokens: int, dtype: str | None
+    model_dir: str,
+    prompts: dict[int, str],
+    wanted: list[tuple[int, int]],
+    seed: int,
+    max_tokens: int,
+    dtype: str | None,
 ) -> list[Example]:
     """The target's answers through the engine to each ``(question, sample)`` of ``wanted`` (indices into
     ``prompts``): sample 0 greedy, the others at temperature 0.8, top-p 0.95, each seeded by ``seed`` and its sample
@@ -289,9 +366,9 @@ def written(
 
 
 def gathered(
-    source: str, asked: list[str], kept: set[int], samples: int, seed: int, max_tokens: int, data: str | None
+    source: str, asked: dict[int, str], kept: dict[int, int], seed: int, max_tokens: int, data: str | None
 ) -> list[Example]:
-    """The target's answers (``samples`` to each ``kept`` question) with their features.
+    """The target's answers (``kept[q]`` to each question ``q``) with their features.
 
     With ``data``, what the file holds is reused and only the missing answers are written (a second run with more
     questions or samples adds to it), and the answers are kept beside it (``data + '.answers'``) until their
@@ -303,7 +380,7 @@ def gathered(
     examples: list[Example] = torch.load(cached, weights_only=False) if cached and cached.exists() else []
     pending: list[Example] = torch.load(answers, weights_only=False) if answers and answers.exists() else []
     have = {(e.question, e.sample) for e in [*examples, *pending]}
-    missing = [(q, k) for q in sorted(kept) for k in range(samples) if (q, k) not in have]
+    missing = [(q, k) for q in sorted(kept) for k in range(kept[q]) if (q, k) not in have]
     if missing:
         pending += written(source, asked, missing, seed, max_tokens, None)
         if answers is not None:
@@ -316,7 +393,7 @@ def gathered(
         if cached is not None and answers is not None:
             torch.save(examples, cached)
             answers.unlink(missing_ok=True)
-    return [e for e in examples if e.question in kept and e.sample < samples]
+    return [e for e in examples if e.sample < kept.get(e.question, 0)]
 
 
 def batches(examples: list[Example], size: int) -> list[list[Example]]:
@@ -449,6 +526,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.own_questions < 0 or args.own_samples < 1:
+        raise ValueError(
+            f"--own-questions must be at least 0 and --own-samples at least 1, got {args.own_questions} and "
+            f"{args.own_samples}"
+        )
     if not args.minutes > 0 or not args.lr > 0:
         raise ValueError(f"--minutes and --lr must be positive, got {args.minutes} and {args.lr}")
     if not 0.0 <= args.unroll_from < 1.0:
@@ -484,6 +566,8 @@ def distill(
     vocab: int = 8192,
     samples: int = 4,
     questions: int | None = None,
+    own_questions: int = 0,
+    own_samples: int = 1,
     max_tokens: int = 128,
     lr: float = 1e-3,
     batch: int = 16,
@@ -503,12 +587,17 @@ def distill(
         torch.set_num_threads(threads)
     started = time.perf_counter()
     asked = questions_of(seed, questions)
-    kept = excluded(asked, exclude)
-    examples = gathered(source, asked, kept, samples, seed, max_tokens, data)
+    written_own = own_questions_kept(source, own_questions, seed, data)
+    asked.update({OWN_FIRST + i: q for i, q in enumerate(written_own)})
+    kept = asked_once(asked, excluded(asked, exclude))
+    examples = gathered(
+        source, asked, {q: own_samples if q >= OWN_FIRST else samples for q in kept}, seed, max_tokens, data
+    )
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     rng = random.Random(seed)
-    held_questions = held_out(kept, rng)
+    held_questions = held_out({q for q in kept if q < OWN_FIRST}, rng)  # the set's as without own questions
+    held_questions |= held_out({q for q in kept if q >= OWN_FIRST}, rng)
     held = [e for e in examples if e.question in held_questions]
     train = [e for e in examples if e.question not in held_questions]
     if not train or not held:
@@ -573,13 +662,23 @@ def distill(
     after = agreement(draft, held, depth=REPORTED_STEPS)
     after_real_prompt = agreement(draft, held, zero_prompt=False)[0]
     after_greedy = agreement(draft, [e for e in held if e.sample == 0], depth=REPORTED_STEPS)
+    own_train = sum(1 for e in train if e.question >= OWN_FIRST)
+    own_asked = len({e.question for e in train if e.question >= OWN_FIRST})
+    own_text = (
+        f"; and {own_train} answers ({own_samples} each: the first greedy) to {own_asked} questions it wrote itself "
+        f"(Magpie: its chat template opened for a user's turn, temperature 1, top-p 0.95, up to "
+        f"{OWN_QUESTION_TOKENS} tokens; {own_questions} asked)"
+        if own_questions
+        else ""
+    )
     card = {
         "target": source,
         "design": f"{layers} decoder layer(s) over the target's final hidden states and token embeddings "
         "(EAGLE-style), "
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
-        "data": f"{len(train)} answers the target wrote to {len(kept) - len(held_questions)} seeded chat questions "
-        f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens)",
+        "data": f"{len(train) - own_train} answers the target wrote to "
+        f"{len({e.question for e in train}) - own_asked} seeded chat questions "
+        f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens){own_text}",
         "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features"
         + (f", over {depth} passes of training-time test from {unroll_from:g} of training on" if depth > 1 else ""),
         "steps": done_steps,
@@ -599,6 +698,18 @@ def distill(
         "top1_agreement_after_greedy_answers": round(after_greedy[0], 4),
         "top1_agreement_by_round_token": [round(a, 4) for a in after],
         "top1_agreement_by_round_token_greedy_answers": [round(a, 4) for a in after_greedy],
+        **(
+            {
+                "top1_agreement_by_round_token_set_questions": _rounded(
+                    agreement(draft, [e for e in held if e.question < OWN_FIRST], depth=REPORTED_STEPS)
+                ),
+                "top1_agreement_by_round_token_own_questions": _rounded(
+                    agreement(draft, [e for e in held if e.question >= OWN_FIRST], depth=REPORTED_STEPS)
+                ),
+            }
+            if own_questions
+            else {}
+        ),
         "own_parameters": sum(v.numel() for k, v in own_state(draft).items() if k != "vocab_index"),
     }
     save(draft, tokenizer, out, card)
@@ -606,14 +717,18 @@ def distill(
     return card
 
 
-def excluded(asked: list[str], exclude: str | None) -> set[int]:
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 4) for v in values]
+
+
+def excluded(asked: dict[int, str], exclude: str | None) -> set[int]:
     """Indices of the questions to use: all but those in the file ``exclude`` (JSON lines with a ``prompt``, or
     one question per line), e.g. a benchmark's prompts, so that it measures the draft on questions it never saw."""
     if exclude is None:
-        return set(range(len(asked)))
+        return set(asked)
     lines = [line.strip() for line in Path(exclude).read_text().splitlines() if line.strip()]
     banned = {json.loads(line)["prompt"] if line.startswith("{") else line for line in lines}
-    return {i for i, q in enumerate(asked) if q not in banned}
+    return {i for i, q in asked.items() if q not in banned}
 
 
 def held_out(kept: set[int], rng: random.Random) -> set[int]:
@@ -629,8 +744,9 @@ def held_out_questions(seed: int = 0, count: int | None = None, exclude: str | N
     return [asked[i] for i in sorted(held_out(excluded(asked, exclude), random.Random(seed)))]
 
 
-def questions_of(seed: int, count: int | None) -> list[str]:
-    return questions(seed)[:count]
+def questions_of(seed: int, count: int | None) -> dict[int, str]:
+    """The first ``count`` questions of the set (all by default), by index."""
+    return dict(enumerate(questions(seed)[:count]))
 
 
 def save(draft: FeatureDraft, tokenizer: Any, out: Path, card: dict[str, Any]) -> None:

@@ -5,6 +5,7 @@ options are refused before any model loads."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,66 @@ def test_training_time_test_takes_over_at_its_share_of_training(
     args = _args(target, tmp_path / "d", "--depth", "3", "--unroll-from", "0.5")
     distill.main([*args[: args.index("--steps")], "--steps", "4", *args[args.index("--steps") + 2 :]])
     assert used == [1, 1, 3, 3]
+
+
+def test_own_questions_are_seeded_by_their_index(target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    assert distill.user_turn(AutoTokenizer.from_pretrained(target)) == "<|user|>"  # the template up to the words
+    together = distill.own_questions(str(target), [0, 1, 2, 3], seed=5, dtype=None)
+    alone = distill.own_questions(str(target), [2], seed=5, dtype=None)
+    assert alone == {2: together[2]} and set(together) == {0, 1, 2, 3}
+    assert distill.own_questions(str(target), [2], seed=6, dtype=None) != alone or alone[2] == ""
+
+
+def test_own_questions_join_the_set_without_moving_its_held_out_questions(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Own questions (a fake writer here) are asked after the set's: blank and repeated ones are not asked, each
+    is answered --own-samples times, a tenth is held out apart from the set's tenth (which stays what it was),
+    and a data file keeps them, so a second run writes only the ones it lacks."""
+    asked_for: list[list[int]] = []
+
+    def fake(source: str, indices: list[int], seed: int, dtype: str | None) -> dict[int, str]:
+        asked_for.append(list(indices))
+        return {i: "" if i == 3 else ("same question" if i in (5, 6) else f"own question {i}") for i in indices}
+
+    monkeypatch.setattr(distill, "own_questions", fake)
+    seen: list[list[distill.Example]] = []
+    real_gathered = distill.gathered
+
+    def spy(*args: object, **kwargs: object) -> list[distill.Example]:
+        out = real_gathered(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(distill, "gathered", spy)
+    drawn: list[set[int]] = []
+    real_held_out = distill.held_out
+
+    def held_spy(kept: set[int], rng: random.Random) -> set[int]:
+        out = real_held_out(kept, rng)
+        drawn.append(set(out))
+        return out
+
+    monkeypatch.setattr(distill, "held_out", held_spy)
+    data = str(tmp_path / "data.pt")
+    own = ("--own-questions", "20", "--own-samples", "2", "--data", data)
+    card = distill.main(_args(target, tmp_path / "a", "--questions", "12", *own))
+    assert asked_for == [list(range(20))]
+    examples = seen[-1]
+    owned = [e for e in examples if e.question >= distill.OWN_FIRST]
+    questions = {e.question - distill.OWN_FIRST for e in owned}
+    assert questions == set(range(20)) - {3, 6}  # blank, and a repeat of 5
+    assert all(sum(e.question == q for e in owned) == 2 for q in {e.question for e in owned})
+    assert card["held_out_questions"] == 1 + 1  # a tenth of 12 set questions, a tenth of 18 own ones
+    assert "and 34 answers (2 each: the first greedy) to 17 questions it wrote itself" in card["data"], card["data"]
+    assert len(card["top1_agreement_by_round_token_own_questions"]) == distill.REPORTED_STEPS
+    set_held, own_held = drawn[-2:]
+    assert set_held < set(range(12)) and len(own_held) == 1 and min(own_held) >= distill.OWN_FIRST
+    plain = distill.main(_args(target, tmp_path / "b", "--questions", "12"))
+    assert plain["held_out_questions"] == 1 and "own" not in plain["data"]
+    assert drawn[-2:] == [set_held, set()]  # the set's held-out question is the one drawn without own questions
+    again = distill.main(_args(target, tmp_path / "c", "--questions", "12", *own[:1], "24", *own[2:]))
+    assert asked_for[1:] == [list(range(20, 24))]  # the data file kept the first 20
+    assert again["held_out_questions"] == 1 + 2
