@@ -7,7 +7,9 @@ same answers), and the draft is scored teacher-forced on each kind (each positio
 the one before, zeros over the prompt, as the card's figure), and, for the second and third token of a round,
 on its own guesses of the features before them (as it drafts them; :mod:`ead_llm.drafts.unroll`).
 
-    OMP_NUM_THREADS=1 python benchmarks/draft_agreement.py [--draft DIR] [--samples 3] [--max-tokens 96]
+    OMP_NUM_THREADS=1 python benchmarks/draft_agreement.py [--draft DIR ...] [--samples 3] [--max-tokens 96]
+
+Several drafts are scored on the same answers (written once), so their figures compare.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from ead_llm.testing import smollm2
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped SmolLM2 one)")
+    parser.add_argument(
+        "--draft", nargs="+", default=None, help="draft folders, each scored (default: the shipped SmolLM2 one)"
+    )
     parser.add_argument("--samples", type=int, default=3, help="answers per question, the first greedy")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
@@ -34,25 +38,28 @@ def main() -> None:
 
     register()
     target_dir = str(smollm2.full_model())
-    draft_dir = args.draft or str(smollm2.fast_draft())
+    drafts = args.draft or [str(smollm2.fast_draft())]
     asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
     wanted = [(q, k) for q in range(len(asked)) for k in range(args.samples)]
     examples = written(target_dir, dict(enumerate(asked)), wanted, args.seed, args.max_tokens, None)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     read_features(target, examples)
     del target
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
     greedy = [e for e in examples if e.sample == 0]
     sampled = [e for e in examples if e.sample]
-    figures = {
+    figures: dict[str, object] = {
         "questions": len(asked),
         "answers": len(examples),
         "round_tokens": REPORTED_STEPS,
-        "agreement_all": agreement(draft, examples, depth=REPORTED_STEPS),
-        "agreement_greedy": agreement(draft, greedy, depth=REPORTED_STEPS),
-        "agreement_sampled": agreement(draft, sampled, depth=REPORTED_STEPS) if sampled else None,
         "greedy_positions": sum(len(e.ids) - 1 - e.start for e in greedy),
     }
+    for draft_dir in drafts:
+        draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+        figures[draft_dir] = {
+            "agreement_all": agreement(draft, examples, depth=REPORTED_STEPS),
+            "agreement_greedy": agreement(draft, greedy, depth=REPORTED_STEPS),
+            "agreement_sampled": agreement(draft, sampled, depth=REPORTED_STEPS) if sampled else None,
+        }
     print(json.dumps(figures, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")

@@ -128,6 +128,8 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
         (["--depth", "0"], "--depth must be at least 1"),
         (["--unroll-from", "1"], "--unroll-from is a share of training in [0, 1)"),
         (["--minutes", "0"], "--minutes and --lr must be positive"),
+        (["--own-questions", "-1"], "--own-questions must be at least 0"),
+        (["--own-samples", "0"], "--own-samples at least 1"),
         (["--lr", "nan"], "--minutes and --lr must be positive"),
     ],
 )
