@@ -42,6 +42,7 @@ from ead_llm.core.model_runner import ModelRunner, PassRow
 from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.policies.base import Policy
+from ead_llm.serving.cli import read_prompts
 from ead_llm.testing import smollm2
 
 GOALS = {"speculative_adaptive": 1.5, "easd": 1.3}
@@ -88,6 +89,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--draft", default=None, help="a draft folder (default: the shipped one, assembled)")
+    parser.add_argument(
+        "--prompts-file",
+        default=None,
+        help="take the first --prompts questions from this file (JSON lines with a prompt, or one per line) instead "
+        "of smollm2.unseen_questions(), e.g. benchmarks/smollm2_own_questions.jsonl",
+    )
     parser.add_argument("--draft-cost", type=float, default=None, help="adaptive gamma's draft_cost (default: its own)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument(
@@ -98,7 +105,10 @@ def main() -> None:
     large_dir = str(smollm2.full_model())
     draft_dir = args.draft or str(smollm2.fast_draft())
     engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
-    prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in smollm2.unseen_questions(args.prompts)]
+    asked = (
+        read_prompts(args.prompts_file)[: args.prompts] if args.prompts_file else smollm2.unseen_questions(args.prompts)
+    )
+    prompts = [render(engine.tokenizer, [("user", q)], "chat") for q in asked]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     cost = {} if args.draft_cost is None else {"draft_cost": args.draft_cost}
     policies: dict[str, Policy] = {
@@ -184,6 +194,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads",
         "prompts": len(prompts),
+        "prompts_from": args.prompts_file or "smollm2.unseen_questions",
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
         "tokens_per_s": {k: spread(v) for k, v in rates.items()},
