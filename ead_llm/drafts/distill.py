@@ -28,15 +28,17 @@ number of steps depend on the machine; ``--steps`` gives the same draft again on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
@@ -54,6 +56,10 @@ from ead_llm.drafts.model import (
     target_features,
 )
 from ead_llm.drafts.unroll import unrolled
+
+if TYPE_CHECKING:
+    from ead_llm.core.engine import Engine
+    from ead_llm.core.request import Completion, Request
 
 TOPICS = [
     "the moon",
@@ -260,23 +266,13 @@ def own_questions(model_dir: str, indices: list[int], seed: int, dtype: str | No
     asked with it). A question the model did not end within :data:`OWN_QUESTION_TOKENS` tokens comes back as
     ``""`` (not asked)."""
     from ead_llm import LargeOnly
-    from ead_llm.core.engine import Engine
-    from ead_llm.core.loading import LoadConfig, load_pair
     from ead_llm.core.request import Request, SamplingParams
 
-    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
-    try:
+    with target_engine(model_dir, dtype) as engine:
         opened = user_turn(engine.tokenizer)
         params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=OWN_QUESTION_TOKENS, seed=seed)
-        out = {}
-        for first in range(0, len(indices), 64):
-            chunk = indices[first : first + 64]
-            done = engine.generate([Request(opened, LargeOnly(), params, sample_index=i) for i in chunk])
-            for i, result in zip(chunk, done, strict=True):
-                out[i] = result.text.strip() if result.finish_reason == "stop" else ""
-        return out
-    finally:
-        engine.close()
+        done = generated(engine, [Request(opened, LargeOnly(), params, sample_index=i) for i in indices])
+    return {i: c.text.strip() if c.finish_reason == "stop" else "" for i, c in zip(indices, done, strict=True)}
 
 
 def own_questions_kept(source: str, count: int, seed: int, data: str | None) -> list[str]:
@@ -338,13 +334,10 @@ def written(
     index (the same answer whatever else is asked with it)."""
     from ead_llm import LargeOnly
     from ead_llm.adapters.prompts import render
-    from ead_llm.core.engine import Engine
-    from ead_llm.core.loading import LoadConfig, load_pair
     from ead_llm.core.request import Request, SamplingParams
 
-    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
-    try:
-        requests, owners = [], []
+    with target_engine(model_dir, dtype) as engine:
+        requests = []
         for q, k in wanted:
             rendered = render(engine.tokenizer, [("user", prompts[q])], "chat")
             hot = k > 0
@@ -352,17 +345,29 @@ def written(
                 temperature=0.8 if hot else 0.0, top_p=0.95 if hot else 1.0, max_tokens=max_tokens, seed=seed
             )
             requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
-            owners.append(q)
         out = []
-        for first in range(0, len(requests), 64):
-            chunk = requests[first : first + 64]
-            for request, q, done in zip(chunk, owners[first : first + 64], engine.generate(chunk), strict=True):
-                ids = engine.encode(request.prompt)
-                sample = request.sample_index or 0
-                out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1, sample=sample))
+        for request, (q, k), done in zip(requests, wanted, generated(engine, requests), strict=True):
+            ids = engine.encode(request.prompt)
+            out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1, sample=k))
         return out
+
+
+@contextlib.contextmanager
+def target_engine(model_dir: str, dtype: str | None) -> Iterator[Engine]:
+    """An engine running the target alone (both roles), closed on leaving."""
+    from ead_llm.core.engine import Engine
+    from ead_llm.core.loading import LoadConfig, load_pair
+
+    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
+    try:
+        yield engine
     finally:
         engine.close()
+
+
+def generated(engine: Engine, requests: list[Request]) -> list[Completion]:
+    """The requests' completions, 64 requests at a time (so that at most 64 rows' caches are held)."""
+    return [done for first in range(0, len(requests), 64) for done in engine.generate(requests[first : first + 64])]
 
 
 def gathered(
