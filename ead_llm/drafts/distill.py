@@ -249,6 +249,18 @@ def questions(seed: int) -> list[str]:
 
 OWN_QUESTION_TOKENS = 64
 """Longest question the target may write itself; one running past it is dropped (it was cut, not asked)."""
+OWN_QUESTION_TEMPERATURE, OWN_QUESTION_TOP_P = 1.0, 0.95
+"""How the target samples its own questions."""
+
+
+def own_questions_written_as(seed: int) -> dict[str, float]:
+    """How own questions are written (kept with them: a data file's questions are reused only if it is equal)."""
+    return {
+        "seed": seed,
+        "temperature": OWN_QUESTION_TEMPERATURE,
+        "top_p": OWN_QUESTION_TOP_P,
+        "max_tokens": OWN_QUESTION_TOKENS,
+    }
 
 
 def user_turn(tokenizer: Any) -> str:
@@ -270,27 +282,36 @@ def own_questions(model_dir: str, indices: list[int], seed: int, dtype: str | No
 
     with target_engine(model_dir, dtype) as engine:
         opened = user_turn(engine.tokenizer)
-        params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=OWN_QUESTION_TOKENS, seed=seed)
+        params = SamplingParams(
+            temperature=OWN_QUESTION_TEMPERATURE, top_p=OWN_QUESTION_TOP_P, max_tokens=OWN_QUESTION_TOKENS, seed=seed
+        )
         done = generated(engine, [Request(opened, LargeOnly(), params, sample_index=i) for i in indices])
     return {i: c.text.strip() if c.finish_reason == "stop" else "" for i, c in zip(indices, done, strict=True)}
 
 
 def own_questions_kept(source: str, count: int, seed: int, data: str | None) -> list[str]:
     """The first ``count`` questions the target writes itself (:func:`own_questions`); with ``data``, kept beside
-    it (``data + '.questions'``) and only the missing ones written."""
+    it (``data + '.questions'``) and only the missing ones written. A data file whose questions were written
+    otherwise (another seed or sampling) is refused: its answers belong to those questions."""
     if count == 0:
         return []
     cached = Path(data + ".questions") if data else None
     kept: dict[int, str] = {}
+    written_as = own_questions_written_as(seed)
     if cached is not None and cached.exists():
         stored = json.loads(cached.read_text())
-        if stored["seed"] == seed:
-            kept = {int(i): q for i, q in stored["questions"].items()}
+        if stored.get("written_as") != written_as:
+            raise ValueError(
+                f"{data}'s own questions were written as {stored.get('written_as')}, not {written_as}: "
+                "use another --data file"
+            )
+        kept = {int(i): q for i, q in stored["questions"].items()}
     missing = [i for i in range(count) if i not in kept]
     if missing:
         kept.update(own_questions(source, missing, seed, None))
         if cached is not None:
-            cached.write_text(json.dumps({"seed": seed, "questions": {str(i): q for i, q in sorted(kept.items())}}))
+            questions = {str(i): q for i, q in sorted(kept.items())}
+            cached.write_text(json.dumps({"written_as": written_as, "questions": questions}))
     return [kept[i] for i in range(count)]
 
 

@@ -325,3 +325,5 @@ def test_own_questions_join_the_set_without_moving_its_held_out_questions(
     again = distill.main(_args(target, tmp_path / "c", "--questions", "12", *own[:1], "24", *own[2:]))
     assert asked_for[1:] == [list(range(20, 24))]  # the data file kept the first 20
     assert again["held_out_questions"] == 1 + 2
+    with pytest.raises(ValueError, match="use another --data file"):  # its answers belong to other questions
+        distill.distill(str(target), tmp_path / "d", steps=1, questions=12, own_questions=24, data=data, seed=1)
