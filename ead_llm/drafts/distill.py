@@ -692,8 +692,8 @@ def distill(
     own_asked = len({e.question for e in train if e.question >= OWN_FIRST})
     own_text = (
         f"; and {own_train} answers ({own_samples} each: the first greedy) to {own_asked} questions it wrote itself "
-        f"(Magpie: its chat template opened for a user's turn, temperature 1, top-p 0.95, up to "
-        f"{OWN_QUESTION_TOKENS} tokens; {own_questions} asked)"
+        f"(Magpie: its chat template opened for a user's turn, temperature {OWN_QUESTION_TEMPERATURE:g}, top-p "
+        f"{OWN_QUESTION_TOP_P:g}, up to {OWN_QUESTION_TOKENS} tokens; {own_questions} asked)"
         if own_questions
         else ""
     )
@@ -722,8 +722,8 @@ def distill(
         "top1_agreement_after": round(after[0], 4),
         "top1_agreement_after_with_prompt_features": round(after_real_prompt, 4),
         "top1_agreement_after_greedy_answers": round(after_greedy[0], 4),
-        "top1_agreement_by_round_token": [round(a, 4) for a in after],
-        "top1_agreement_by_round_token_greedy_answers": [round(a, 4) for a in after_greedy],
+        "top1_agreement_by_round_token": _rounded(after),
+        "top1_agreement_by_round_token_greedy_answers": _rounded(after_greedy),
         **(
             {
                 "top1_agreement_by_round_token_set_questions": _rounded(
