@@ -55,7 +55,9 @@ class Engine(Frontend):
     Callers' requests queue and join the running batch (continuous batching). At most ``max_batch``
     sequences run at once; each model's KV cache is paged in blocks of ``kv_block_size`` positions
     and holds at most ``kv_budget_tokens`` positions (None: grows as needed), so memory follows the
-    tokens actually held. A sequence's randomness is its own (its seed, stream and position), so its
+    tokens actually held. With ``return_hidden_states``, each completion (its last event) carries the large model's
+    final hidden states at the positions fed to it (SGLang's ``return_hidden_states``; a Llama-family large model).
+    A sequence's randomness is its own (its seed, stream and position), so its
     text does not depend on what else runs; in float32 greedy text does not either. In bfloat16,
     passes of different shapes (a batch, a verification) round differently and near-ties can flip
     (see the README's figures).
@@ -67,6 +69,8 @@ class Engine(Frontend):
         max_batch: int = 64,
         kv_budget_tokens: int | None = None,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        return_hidden_states: bool = False,
     ) -> None:
         self.pair = pair
         self.tokenizer = pair.tokenizer
@@ -77,6 +81,8 @@ class Engine(Frontend):
             check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
         self.kv_budget_tokens = kv_budget_tokens
         self.kv_block_size = check_int("kv_block_size", kv_block_size, minimum=1)
+        if not isinstance(return_hidden_states, bool):
+            raise ValueError(f"return_hidden_states must be True or False, got {return_hidden_states!r}")
         self.caches = self._caches()
         large = self.caches[Role.LARGE]
         self.runners = {
@@ -89,10 +95,12 @@ class Engine(Frontend):
             )
             for role in Role
         }
-        if self.runners[Role.SMALL].reads_features:  # a draft on the target's hidden states (EAGLE-style)
+        if self.runners[Role.SMALL].reads_features or return_hidden_states:  # a draft reads them (EAGLE-style)
             self.runners[Role.LARGE].keep_features(pair.large.info.source)
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
+        if return_hidden_states:
+            self.scheduler.hidden_size = int(pair.large.model.config.hidden_size)
         self.inputs = InputProcessor(pair, self.max_positions)
         self.entropy_after_mask = True
         """Constrained rows report (and EAD decides on) the entropy of their masked logits; False: of the

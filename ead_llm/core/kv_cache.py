@@ -465,6 +465,14 @@ class KVCache:
         assert stored is not None, "features read before any were written"
         return stored[0].index_select(0, slots)
 
+    def sequence_features(self, seq: SequenceKV, length: int) -> torch.Tensor:
+        """Final hidden states of the first ``length`` positions of ``seq`` ``[length, hidden]`` (a copy)."""
+        stored = self.features[0]
+        assert stored is not None, "features read before any were written"
+        blocks = torch.tensor(seq.blocks[: self.blocks_for(length)], dtype=torch.long, device=stored.device)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=stored.device)).flatten()
+        return stored[0].index_select(0, slots[:length])
+
     def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]`` (a copy)."""
         keys, values = self.keys[layer], self.values[layer]

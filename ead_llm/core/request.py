@@ -13,6 +13,8 @@ from ead_llm.core.types import FinishReason, Role
 from ead_llm.core.validation import check_float, check_int, check_stop, check_text
 
 if TYPE_CHECKING:
+    import torch
+
     from ead_llm.core.grammar import Constraint
 
 Prompt = str | Sequence[int]
@@ -122,6 +124,9 @@ class Completion:
     """How many paths the request ran (EAGER)."""
     votes: dict[str, int] | None = None
     """EAGER's vote counts by extracted answer."""
+    hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """From an engine built with ``return_hidden_states=True``: the large model's final hidden state at every
+    position fed to it (see :attr:`~ead_llm.core.types.TokenEvent.hidden_states`)."""
 
 
 def sequence_key(prompt_ids: Sequence[int], sample_index: int) -> int:

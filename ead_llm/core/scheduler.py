@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.policy import Decoder
@@ -181,6 +183,9 @@ class Scheduler:
         self.prefix_caching = True
         """A sequence admitted starts from the cached blocks of its longest cached prefix (each model's own
         cache), and full blocks of final tokens are cached as they are written."""
+        self.hidden_size: int | None = None
+        """Set (to the large model's hidden size) when each sequence's last event carries the large model's final
+        hidden states (``Engine(return_hidden_states=True)``)."""
         self.hold_large = 1
         """Steps a row's large-model read may wait while the small model's pass runs without it, so that the large
         model's pass gathers more rows: in a step where at most :data:`HOLD_SHARE` as many rows read the large model
@@ -395,6 +400,26 @@ class Scheduler:
         for role, kv in seq.kv.items():
             self.caches[role].free(kv)
 
+    def _hidden_states(self, seq: Sequence) -> torch.Tensor:
+        """The large model's final hidden state at each position of ``seq`` fed to it (all but its last token); NaN
+        from the first it has not read."""
+        assert self.hidden_size is not None
+        cache, kv = self.caches[Role.LARGE], seq.kv[Role.LARGE]
+        fed = len(seq.tokens) - 1
+        seen = min(kv.length, fed)
+        read = cache.sequence_features(kv, seen) if seen else None
+        if read is not None and seen == fed:
+            return read
+        out = torch.full(
+            (fed, self.hidden_size),
+            math.nan,
+            dtype=read.dtype if read is not None else torch.float32,
+            device=read.device if read is not None else None,
+        )
+        if read is not None:
+            out[:seen] = read
+        return out
+
     def _emit(
         self, seq: Sequence, token: int, role: Role, entropy: float, counters: tuple[tuple[str, int], ...]
     ) -> None:
@@ -430,6 +455,7 @@ class Scheduler:
             branched_from=seq.branched_from
             if seq.branched_from and seq.generated == seq.branched_from[1] + 1
             else None,
+            hidden_states=self._hidden_states(seq) if finish is not None and self.hidden_size else None,
         )
         seq.pending_work = []
         if finish is not None:

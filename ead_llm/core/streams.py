@@ -245,4 +245,5 @@ def _completion(
         path=path,
         paths=paths,
         votes=votes,
+        hidden_states=events[-1].hidden_states,
     )

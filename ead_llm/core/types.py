@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -74,6 +74,11 @@ class TokenEvent:
     branched_from: tuple[int, int] | None = None
     """On the first event of a path branched off another (EAGER): ``(parent path, tokens)``, the path
     continues the first ``tokens`` generated tokens of its parent."""
+    hidden_states: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """On a sequence's last event, from an engine built with ``return_hidden_states=True``: the large model's final
+    hidden state (after its last norm, what its head reads) at every position fed to it, prompt and answer but the
+    last token, ``[prompt + generated - 1, hidden]`` in the model's dtype; NaN at positions it never read (EAD's
+    tokens written by the small model and not yet caught up)."""
 
 
 def token_event(
@@ -89,6 +94,7 @@ def token_event(
     prompt_tokens: int,
     cached_tokens: tuple[tuple[Role, int], ...],
     branched_from: tuple[int, int] | None,
+    hidden_states: torch.Tensor | None = None,
 ) -> TokenEvent:
     """A :class:`TokenEvent` made without the frozen dataclass's ``__init__``, which sets each field through
     ``object.__setattr__`` (2.5 us against 0.5 us here): the scheduler makes one per generated token. Every field
@@ -107,6 +113,7 @@ def token_event(
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         branched_from=branched_from,
+        hidden_states=hidden_states,
     )
     return event
 
