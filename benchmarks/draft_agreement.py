@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ead_llm.drafts.distill import REPORTED_STEPS, agreement, held_out_questions, read_features, register, written
+from ead_llm.drafts.distill import REPORTED_STEPS, agreement, held_out_questions, register, written
 from ead_llm.testing import smollm2
 
 
@@ -42,9 +42,6 @@ def main() -> None:
     asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
     wanted = [(q, k) for q in range(len(asked)) for k in range(args.samples)]
     examples = written(target_dir, dict(enumerate(asked)), wanted, args.seed, args.max_tokens, None)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    read_features(target, examples)
-    del target
     greedy = [e for e in examples if e.sample == 0]
     sampled = [e for e in examples if e.sample]
     figures: dict[str, object] = {

@@ -6,8 +6,9 @@
    and ``samples - 1`` sampled at temperature 0.8, top-p 0.95): the text a draft meets. With ``own_questions``,
    the target also writes that many questions itself, its chat template opened for a user's turn and left for it
    to fill (Magpie, Xu et al. 2024): questions as varied as what it was tuned on, answered ``own_samples`` times.
-2. Its final hidden states on that text are kept: they are the draft's inputs, and its head on them gives the
-   next-token distributions the draft learns.
+2. Its final hidden states on that text are kept as the engine computes them while writing it (no second
+   forward): they are the draft's inputs, and its head on them gives the next-token distributions the draft
+   learns.
 3. The draft's head keeps the ``vocab`` tokens the target wrote most often (FR-Spec); its ``layers`` layers (1 by
    default) start as the target's last ones; its layers, join and norm are trained (the embeddings and head rows
    stay the target's) to minimise the cross-entropy of the target's distribution (restricted to the head's tokens)
@@ -53,7 +54,6 @@ from ead_llm.drafts.model import (
     previous,
     register,
     save_folder,
-    target_features,
 )
 from ead_llm.drafts.unroll import unrolled
 
@@ -351,13 +351,14 @@ def written(
     dtype: str | None,
 ) -> list[Example]:
     """The target's answers through the engine to each ``(question, sample)`` of ``wanted`` (indices into
-    ``prompts``): sample 0 greedy, the others at temperature 0.8, top-p 0.95, each seeded by ``seed`` and its sample
-    index (the same answer whatever else is asked with it)."""
+    ``prompts``), with its features: sample 0 greedy, the others at temperature 0.8, top-p 0.95, each seeded by
+    ``seed`` and its sample index (the same answer whatever else is asked with it)."""
     from ead_llm import LargeOnly
     from ead_llm.adapters.prompts import render
     from ead_llm.core.request import Request, SamplingParams
 
-    with target_engine(model_dir, dtype) as engine:
+    with target_engine(model_dir, dtype, return_hidden_states=True) as engine:
+        head = engine.pair.large.model.get_output_embeddings()
         requests = []
         for q, k in wanted:
             rendered = render(engine.tokenizer, [("user", prompts[q])], "chat")
@@ -367,28 +368,72 @@ def written(
             )
             requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
         out = []
-        for request, (q, k), done in zip(requests, wanted, generated(engine, requests), strict=True):
-            ids = engine.encode(request.prompt)
-            out.append(Example(question=q, ids=ids + list(done.token_ids), start=len(ids) - 1, sample=k))
+        for first in range(0, len(requests), CHUNK):
+            chunk = []
+            part = requests[first : first + CHUNK]
+            for request, (q, k), done in zip(part, wanted[first : first + CHUNK], engine.generate(part), strict=True):
+                ids = engine.encode(request.prompt)
+                assert done.hidden_states is not None
+                chunk.append(Example(q, ids + list(done.token_ids), len(ids) - 1, k, features=done.hidden_states))
+            with_best(head, chunk)
+            out += chunk
         return out
 
 
+def with_best(head: Any, chunk: list[Example]) -> None:
+    """Make the examples' features one float32 tensor (each example's a view; the last position, never read, zero)
+    and keep the target's best next token over each answer: a greedy answer's own tokens, a sampled answer's the
+    head's argmax on its features.
+
+    One tensor per chunk, and the head's logits a slice of rows at a time: a tensor per example (each features'
+    copy, and more so a logits tensor of 10-20 MB, from the heap once glibc's mmap threshold had risen) fragmented
+    the heap around the features kept between them until the process held 20 times their size."""
+    lengths = [len(e.ids) for e in chunk]
+    whole = torch.zeros((sum(lengths), chunk[0].features.shape[-1]))
+    at = 0
+    for example, length in zip(chunk, lengths, strict=True):
+        whole[at : at + length - 1] = example.features.float()
+        example.features = whole[at : at + length]
+        at += length
+    sampled = [e for e in chunk if e.sample]
+    for example in chunk:
+        if not example.sample:
+            example.best = torch.tensor(example.ids[example.start + 1 :])
+    if sampled:
+        rows = torch.cat([e.features[e.start : len(e.ids) - 1] for e in sampled]).to(head.weight.dtype)
+        with torch.no_grad():
+            best = torch.cat([head(rows[i : i + HEAD_ROWS]).argmax(-1) for i in range(0, len(rows), HEAD_ROWS)])
+        for example, mine in zip(sampled, best.split([len(e.ids) - 1 - e.start for e in sampled]), strict=True):
+            example.best = mine
+
+
+HEAD_ROWS = 1024
+"""Rows of features the head reads at once for the best tokens (their logits well past glibc's mmap threshold)."""
+
+
 @contextlib.contextmanager
-def target_engine(model_dir: str, dtype: str | None) -> Iterator[Engine]:
+def target_engine(model_dir: str, dtype: str | None, *, return_hidden_states: bool = False) -> Iterator[Engine]:
     """An engine running the target alone (both roles), closed on leaving."""
     from ead_llm.core.engine import Engine
     from ead_llm.core.loading import LoadConfig, load_pair
 
-    engine = Engine(load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype)))
+    pair = load_pair(LoadConfig(small=model_dir, large=model_dir, device="cpu", dtype=dtype))
+    engine = Engine(pair, return_hidden_states=return_hidden_states)
     try:
         yield engine
     finally:
         engine.close()
 
 
+CHUNK = 64
+"""Requests given to the engine at once (so that at most as many rows' caches, and their features, are held)."""
+
+
 def generated(engine: Engine, requests: list[Request]) -> list[Completion]:
-    """The requests' completions, 64 requests at a time (so that at most 64 rows' caches are held)."""
-    return [done for first in range(0, len(requests), 64) for done in engine.generate(requests[first : first + 64])]
+    """The requests' completions, :data:`CHUNK` requests at a time."""
+    return [
+        done for first in range(0, len(requests), CHUNK) for done in engine.generate(requests[first : first + CHUNK])
+    ]
 
 
 def gathered(
@@ -397,28 +442,15 @@ def gathered(
     """The target's answers (``kept[q]`` to each question ``q``) with their features.
 
     With ``data``, what the file holds is reused and only the missing answers are written (a second run with more
-    questions or samples adds to it), and the answers are kept beside it (``data + '.answers'``) until their
-    features are in it, so a run that dies while reading features starts again from them."""
-    from transformers import AutoModelForCausalLM
-
+    questions or samples adds to it)."""
     cached = Path(data) if data else None
-    answers = cached.with_name(cached.name + ".answers") if cached is not None else None
     examples: list[Example] = torch.load(cached, weights_only=False) if cached and cached.exists() else []
-    pending: list[Example] = torch.load(answers, weights_only=False) if answers and answers.exists() else []
-    have = {(e.question, e.sample) for e in [*examples, *pending]}
+    have = {(e.question, e.sample) for e in examples}
     missing = [(q, k) for q in sorted(kept) for k in range(kept[q]) if (q, k) not in have]
     if missing:
-        pending += written(source, asked, missing, seed, max_tokens, None)
-        if answers is not None:
-            torch.save(pending, answers)
-    if pending:
-        target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-        read_features(target, pending)
-        del target
-        examples += pending
-        if cached is not None and answers is not None:
+        examples += written(source, asked, missing, seed, max_tokens, None)
+        if cached is not None:
             torch.save(examples, cached)
-            answers.unlink(missing_ok=True)
     return [e for e in examples if e.sample < kept.get(e.question, 0)]
 
 
@@ -436,25 +468,6 @@ def padded(group: list[Example]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[row, : len(example.ids)] = torch.tensor(example.ids)
         mask[row, : len(example.ids)] = 1
     return ids, mask
-
-
-@torch.no_grad()
-def read_features(target: Any, examples: list[Example]) -> None:
-    """Keep the target's features and greedy next tokens on every example.
-
-    Memory: one logits tensor per batch (mapped and unmapped whole), and each example's features a view into
-    its batch's one tensor (batches are sorted by length, so little is padding). A logits tensor per example
-    (10-20 MB, from the heap once glibc's mmap threshold had risen) and, less so, a 250 KB copy of the
-    features per example fragmented the heap around the features kept between them until the process held
-    20 times their size (killed for memory at 3,700 answers)."""
-    head = target.get_output_embeddings()
-    for group in batches(examples, 16):
-        ids, mask = padded(group)
-        features = target_features(target, ids, mask).float()
-        best = head(features).argmax(-1)  # one logits tensor per batch, too large for the heap: mapped and unmapped
-        for row, example in enumerate(group):
-            example.features = features[row, : len(example.ids)]
-            example.best = best[row, example.start : len(example.ids) - 1]
 
 
 def frequent_tokens(examples: list[Example], size: int, vocab: int, always: list[int]) -> torch.Tensor:

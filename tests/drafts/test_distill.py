@@ -17,7 +17,7 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.drafts import distill
-from ead_llm.drafts.model import OWN_FILE, assemble, load_own, save_own
+from ead_llm.drafts.model import OWN_FILE, assemble, load_own, save_own, target_features
 from ead_llm.serving.cli import build_parser
 from ead_llm.testing.tiny import TinyShape, build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
@@ -160,36 +160,23 @@ def test_the_cli_has_the_subcommand() -> None:
     assert args.steps == 2 and args.exclude == "b.jsonl" and args.func.__name__ == "cmd_distill"
 
 
-def test_answers_are_kept_before_the_features_and_reused(
-    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A run that dies while reading features resumes from the answers it kept: the target is not asked again,
-    and the draft is the one an uninterrupted run makes."""
-    whole = distill.main(_args(target, tmp_path / "a"))
-    data = tmp_path / "data.pt"
-    answers = tmp_path / "data.pt.answers"
-    read = distill.read_features
+@torch.inference_mode()
+def test_the_engines_features_and_best_tokens_are_transformers(target: Path) -> None:
+    """The features come from the engine's own passes as it writes the answers (no second forward): they are the
+    final hidden states transformers computes over each whole text, and each answer's best tokens its head's
+    argmax on them, greedy answers and sampled ones alike."""
+    from transformers import AutoModelForCausalLM
 
-    def killed(*args: object) -> None:
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(distill, "read_features", killed)
-    with pytest.raises(KeyboardInterrupt):
-        distill.main(_args(target, tmp_path / "x", "--data", str(data)))
-    assert answers.is_file() and not data.exists()
-    kept = torch.load(answers, weights_only=False)
-    assert [e.sample for e in kept] == [0, 1] * 12  # each question's greedy answer, then its sampled one
-
-    def asked_again(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the target wrote its answers again")
-
-    monkeypatch.setattr(distill, "read_features", read)
-    monkeypatch.setattr(distill, "written", asked_again)
-    resumed = distill.main(_args(target, tmp_path / "b", "--data", str(data)))
-    assert data.is_file() and not answers.exists()  # the answers are in the data file now
-    assert resumed["top1_agreement_after"] == whole["top1_agreement_after"]
-    a, b = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    prompts = dict(enumerate(distill.questions(0)[:3]))
+    examples = distill.written(str(target), prompts, [(q, k) for q in range(3) for k in range(2)], 0, 10, None)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    assert len({tuple(e.ids) for e in examples}) == 6  # the sampled answers are not the greedy ones
+    for example in examples:
+        truth = target_features(model, torch.tensor([example.ids]))[0]
+        assert example.features.shape == truth.shape and not example.features[-1].any()  # the last is never read
+        assert torch.allclose(example.features[:-1], truth[:-1], atol=1e-4)
+        best = model.lm_head(truth[example.start : -1]).argmax(-1)
+        assert torch.equal(example.best, best)
 
 
 def test_a_second_run_adds_only_the_missing_answers(
