@@ -340,6 +340,17 @@ class Example:
     """Which of the question's answers: 0 greedy, the others sampled."""
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids), H]
     best: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids) - 1 - start]: target's argmax
+    written_as: dict[str, float] | None = None
+    """How the answer was written (:func:`answers_written_as`); None in data files from before it was kept."""
+
+
+ANSWER_TEMPERATURE, ANSWER_TOP_P = 0.8, 0.95
+"""How the target samples the answers after the first (greedy) one."""
+
+
+def answers_written_as(seed: int, max_tokens: int) -> dict[str, float]:
+    """How answers are written (kept with them: a data file's answers are reused only if it is equal)."""
+    return {"seed": seed, "max_tokens": max_tokens, "temperature": ANSWER_TEMPERATURE, "top_p": ANSWER_TOP_P}
 
 
 def written(
@@ -351,8 +362,9 @@ def written(
     dtype: str | None,
 ) -> list[Example]:
     """The target's answers through the engine to each ``(question, sample)`` of ``wanted`` (indices into
-    ``prompts``), with its features: sample 0 greedy, the others at temperature 0.8, top-p 0.95, each seeded by
-    ``seed`` and its sample index (the same answer whatever else is asked with it)."""
+    ``prompts``), with its features: sample 0 greedy, the others at :data:`ANSWER_TEMPERATURE` and
+    :data:`ANSWER_TOP_P`, each seeded by ``seed`` and its sample index (the same answer whatever else is asked with
+    it)."""
     from ead_llm import LargeOnly
     from ead_llm.adapters.prompts import render
     from ead_llm.core.request import Request, SamplingParams
@@ -364,17 +376,23 @@ def written(
             rendered = render(engine.tokenizer, [("user", prompts[q])], "chat")
             hot = k > 0
             params = SamplingParams(
-                temperature=0.8 if hot else 0.0, top_p=0.95 if hot else 1.0, max_tokens=max_tokens, seed=seed
+                temperature=ANSWER_TEMPERATURE if hot else 0.0,
+                top_p=ANSWER_TOP_P if hot else 1.0,
+                max_tokens=max_tokens,
+                seed=seed,
             )
             requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
         out = []
+        written_as = answers_written_as(seed, max_tokens)
         for first in range(0, len(requests), CHUNK):
             chunk = []
             part = requests[first : first + CHUNK]
             for request, (q, k), done in zip(part, wanted[first : first + CHUNK], engine.generate(part), strict=True):
                 ids = engine.encode(request.prompt)
                 assert done.hidden_states is not None
-                chunk.append(Example(q, ids + list(done.token_ids), len(ids) - 1, k, features=done.hidden_states))
+                answer = Example(q, ids + list(done.token_ids), len(ids) - 1, k, done.hidden_states)
+                answer.written_as = written_as
+                chunk.append(answer)
             with_best(head, chunk)
             out += chunk
         return out
@@ -442,9 +460,14 @@ def gathered(
     """The target's answers (``kept[q]`` to each question ``q``) with their features.
 
     With ``data``, what the file holds is reused and only the missing answers are written (a second run with more
-    questions or samples adds to it)."""
+    questions or samples adds to it). A file whose answers were written otherwise (another seed, length or
+    sampling) is refused: they are not this run's answers."""
     cached = Path(data) if data else None
     examples: list[Example] = torch.load(cached, weights_only=False) if cached and cached.exists() else []
+    written_as = answers_written_as(seed, max_tokens)
+    other = next((e.written_as for e in examples if e.written_as not in (None, written_as)), None)
+    if other is not None:
+        raise ValueError(f"{data}'s answers were written as {other}, not {written_as}: use another --data file")
     have = {(e.question, e.sample) for e in examples}
     missing = [(q, k) for q in sorted(kept) for k in range(kept[q]) if (q, k) not in have]
     if missing:
@@ -717,7 +740,8 @@ def distill(
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
         "data": f"{len(train) - own_train} answers the target wrote to "
         f"{len({e.question for e in train}) - own_asked} seeded chat questions "
-        f"(1 greedy and {samples - 1} sampled at temperature 0.8, top-p 0.95, up to {max_tokens} tokens){own_text}",
+        f"(1 greedy and {samples - 1} sampled at temperature {ANSWER_TEMPERATURE:g}, top-p {ANSWER_TOP_P:g}, up to "
+        f"{max_tokens} tokens){own_text}",
         "objective": "cross-entropy of the target's distribution over the head's tokens + smooth L1 to its features"
         + (f", over {depth} passes of training-time test from {unroll_from:g} of training on" if depth > 1 else ""),
         "steps": done_steps,

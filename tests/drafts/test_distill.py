@@ -202,6 +202,18 @@ def test_a_second_run_adds_only_the_missing_answers(
     assert by_key == {(e.question, e.sample): e.ids for e in torch.load(tmp_path / "single.pt", weights_only=False)}
 
 
+def test_a_data_file_written_otherwise_is_refused(target: Path, tmp_path: Path) -> None:
+    """Answers written with another seed or length are not this run's: a run that would reuse them is refused
+    before it trains, and the file is left as it was."""
+    data = tmp_path / "data.pt"
+    distill.main(_args(target, tmp_path / "a", "--data", str(data), "--questions", "8", "--samples", "1"))
+    before = data.read_bytes()
+    for other in ({"max_tokens": 6}, {"seed": 1, "max_tokens": 8}):
+        with pytest.raises(ValueError, match=r"answers were written as .* use another --data file"):
+            distill.distill(str(target), tmp_path / "b", steps=1, questions=8, samples=1, data=str(data), **other)
+    assert data.read_bytes() == before and not (tmp_path / "b").exists()
+
+
 def test_a_data_file_written_by_python_m_is_read_by_the_package(target: Path, tmp_path: Path) -> None:
     """``python -m ead_llm.drafts.distill`` keeps its data under the package's class names, so ``ead-llm distill``
     (or any other process) can reuse the file."""
