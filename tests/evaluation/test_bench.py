@@ -195,6 +195,7 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(
         "partial.jsonl",
         "results.json",
         "results.csv",
+        "results.md",
         "accuracy_vs_large_fraction.png",
         "accuracy_vs_wall_clock.png",
         "accuracy_vs_flops.png",
@@ -227,6 +228,12 @@ def test_quick_bench_on_a_tiny_pair_writes_every_file(
             assert run["target_fraction"] == matched["large_fraction"]
     with (out / "results.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == len(runs)
+    table = (out / "results.md").read_text().splitlines()  # the test split, a row per run in order
+    tested = [r for r in runs if r["split"] == "test"]
+    assert len(table) == 2 + len(tested) and table[1].count("---") == table[0].count("|") - 1
+    for line, run in zip(table[2:], tested, strict=True):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] == run["label"] + (" *" if run["chosen"] else "") and cells[3] == f"{run['large_fraction']:.3f}"
     partial = [json.loads(line) for line in (out / "partial.jsonl").read_text().splitlines()]
     assert [(r["label"], r["split"]) for r in partial] == [(r["label"], r["split"]) for r in runs]  # as they ran
     assert all(len(r["outputs"]) == r["n"] and all("==" not in t for t in r["outputs"]) for r in runs)
@@ -269,7 +276,7 @@ def test_run_bench_python_api_and_progress(llama_paths: tuple[Path, Path], tmp_p
     assert [r.label for r in report.runs] == ["EAD w2/d3 tau=5", "SmallOnly", "LargeOnly", "EAD w2/d3 tau=5"]
     assert report.selection["threshold"] == 5.0
     files = write_report(report, tmp_path, plots=False)
-    assert set(files) == {"json", "csv"}
+    assert set(files) == {"json", "csv", "markdown"}
     assert report.goals()["large_fraction"]["value"] == report.runs[-1].cost.large_fraction
     with pytest.raises(ValueError, match="task must be a BenchTask"):
         run_bench(engine, "sums.jsonl", config)  # type: ignore[arg-type]

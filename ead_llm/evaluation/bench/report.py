@@ -1,4 +1,5 @@
-"""Writing a benchmark's results: a terminal table, ``results.json``, ``results.csv`` and PNG plots."""
+"""Writing a benchmark's results: a terminal table, ``results.json``, ``results.csv``, ``results.md`` and PNG
+plots."""
 
 from __future__ import annotations
 
@@ -161,13 +162,36 @@ def _csv_row(record: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+MARKDOWN_COLUMNS = (
+    ("run", lambda r: r["label"] + (" *" if r["chosen"] else "")),
+    ("accuracy", lambda r: f"{r['accuracy']:.1%}"),
+    ("95% CI", lambda r: f"[{r['ci_low']:.1%}, {r['ci_high']:.1%}]"),
+    ("large frac", lambda r: f"{r['large_fraction']:.3f}"),
+    ("wall s", lambda r: f"{r['wall_time_s']:.1f}"),
+    ("wall vs L", lambda r: _fmt(r["wall_cost_vs_large"], ".2f")),
+    ("vs ideal", lambda r: _fmt(r["wall_vs_ideal"], ".2f")),
+    ("p vs EAD", lambda r: "-" if r["vs_ead"] is None else f"{r['vs_ead']['p_value']:.2g}"),
+)
+"""The markdown table's columns and how each cell is written from a run of ``results.json``."""
+
+
+def markdown_table(data: dict[str, Any], split: str = "test") -> str:
+    """One split's runs of ``results.json``'s ``data`` as a markdown table (``*``: the threshold chosen on dev)."""
+    runs = [r for r in data["runs"] if r["split"] == split]
+    lines = ["| " + " | ".join(name for name, _ in MARKDOWN_COLUMNS) + " |", "|" + " --- |" * len(MARKDOWN_COLUMNS)]
+    lines += ["| " + " | ".join(cell(r).replace("|", "\\|") for _, cell in MARKDOWN_COLUMNS) + " |" for r in runs]
+    return "\n".join(lines) + "\n"
+
+
 def write_report(report: BenchReport, out_dir: str | Path, *, plots: bool = True) -> dict[str, Path]:
-    """Write ``results.json``, ``results.csv`` and (with ``plots``) the PNG plots into ``out_dir``."""
+    """Write ``results.json``, ``results.csv``, ``results.md`` (the test split's table) and (with ``plots``) the
+    PNG plots into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = report.to_json()
-    files = {"json": out / "results.json", "csv": out / "results.csv"}
+    files = {"json": out / "results.json", "csv": out / "results.csv", "markdown": out / "results.md"}
     files["json"].write_text(json.dumps(data, indent=1, default=str) + "\n")
+    files["markdown"].write_text(markdown_table(data))
     with files["csv"].open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(CSV_COLUMNS))
         writer.writeheader()
