@@ -39,10 +39,7 @@ Layers = dict[int, dict[int, torch.Tensor]]  # example id -> layer -> [T, H]
 
 def split(examples: list[distill.Example], seed: int) -> tuple[list[distill.Example], list[distill.Example]]:
     """``distill``'s split of the data file's questions: the set's held-out tenth, then the own questions'."""
-    rng = random.Random(seed)
-    kept = {e.question for e in examples}
-    held = distill.held_out({q for q in kept if q < distill.OWN_FIRST}, rng)
-    held |= distill.held_out({q for q in kept if q >= distill.OWN_FIRST}, rng)
+    held = distill.held_out_of_both({e.question for e in examples}, random.Random(seed))
     return [e for e in examples if e.question not in held], [e for e in examples if e.question in held]
 
 

@@ -320,6 +320,11 @@ OWN_FIRST = 1_000_000
 so that a data file's answers stay with their questions)."""
 
 
+def is_own(question: int) -> bool:
+    """Whether question index ``question`` is one the target wrote itself."""
+    return question >= OWN_FIRST
+
+
 def asked_once(asked: dict[int, str], kept: set[int]) -> set[int]:
     """``kept`` without blank questions and without any question asked at a lower index."""
     first: dict[str, int] = {}
@@ -652,14 +657,11 @@ def distill(
     written_own = own_questions_kept(source, own_questions, seed, data)
     asked.update({OWN_FIRST + i: q for i, q in enumerate(written_own)})
     kept = asked_once(asked, excluded(asked, exclude))
-    examples = gathered(
-        source, asked, {q: own_samples if q >= OWN_FIRST else samples for q in kept}, seed, max_tokens, data
-    )
+    examples = gathered(source, asked, {q: own_samples if is_own(q) else samples for q in kept}, seed, max_tokens, data)
     target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(source)
     rng = random.Random(seed)
-    held_questions = held_out({q for q in kept if q < OWN_FIRST}, rng)  # the set's as without own questions
-    held_questions |= held_out({q for q in kept if q >= OWN_FIRST}, rng)
+    held_questions = held_out_of_both(kept, rng)
     held = [e for e in examples if e.question in held_questions]
     train = [e for e in examples if e.question not in held_questions]
     if not train or not held:
@@ -724,8 +726,8 @@ def distill(
     after = agreement(draft, held, depth=REPORTED_STEPS)
     after_real_prompt = agreement(draft, held, zero_prompt=False)[0]
     after_greedy = agreement(draft, [e for e in held if e.sample == 0], depth=REPORTED_STEPS)
-    own_train = sum(1 for e in train if e.question >= OWN_FIRST)
-    own_asked = len({e.question for e in train if e.question >= OWN_FIRST})
+    own_train = sum(1 for e in train if is_own(e.question))
+    own_asked = len({e.question for e in train if is_own(e.question)})
     own_text = (
         f"; and {own_train} answers ({own_samples} each: the first greedy) to {own_asked} questions it wrote itself "
         f"(Magpie: its chat template opened for a user's turn, temperature {OWN_QUESTION_TEMPERATURE:g}, top-p "
@@ -764,10 +766,10 @@ def distill(
         **(
             {
                 "top1_agreement_by_round_token_set_questions": _rounded(
-                    agreement(draft, [e for e in held if e.question < OWN_FIRST], depth=REPORTED_STEPS)
+                    agreement(draft, [e for e in held if not is_own(e.question)], depth=REPORTED_STEPS)
                 ),
                 "top1_agreement_by_round_token_own_questions": _rounded(
-                    agreement(draft, [e for e in held if e.question >= OWN_FIRST], depth=REPORTED_STEPS)
+                    agreement(draft, [e for e in held if is_own(e.question)], depth=REPORTED_STEPS)
                 ),
             }
             if own_questions
@@ -792,6 +794,11 @@ def excluded(asked: dict[int, str], exclude: str | None) -> set[int]:
     lines = [line.strip() for line in Path(exclude).read_text().splitlines() if line.strip()]
     banned = {json.loads(line)["prompt"] if line.startswith("{") else line for line in lines}
     return {i for i, q in asked.items() if q not in banned}
+
+
+def held_out_of_both(kept: set[int], rng: random.Random) -> set[int]:
+    """The held-out questions: the set's tenth (the one drawn without own questions), then the own questions'."""
+    return held_out({q for q in kept if not is_own(q)}, rng) | held_out({q for q in kept if is_own(q)}, rng)
 
 
 def held_out(kept: set[int], rng: random.Random) -> set[int]:
