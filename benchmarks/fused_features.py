@@ -9,9 +9,11 @@ same draft, steps, schedule and training-time test, only what the draft reads at
   entries of a low, a middle and a high layer). It starts as the ``final`` draft where ``final`` is listed (the
   map passes it through, zeros on the others); otherwise from the highest layer listed.
 
-Each draft is scored as ``distill``'s card scores it: top-1 agreement on held-out answers by token of a round.
+A variant may end in ``:L`` for a draft of ``L`` decoder layers (default 1), to weigh reading more against more
+capacity. Each draft is scored as ``distill``'s card scores it: top-1 agreement on held-out answers by token of a
+round.
 
-    OMP_NUM_THREADS=2 python benchmarks/fused_features.py --data DATA.pt --reads final 2,15,final 2,15,27
+    OMP_NUM_THREADS=2 python benchmarks/fused_features.py --data DATA.pt --reads final 2,15,final 2,15,27 final:2
 
 Only the training differs between variants here; the engine runs drafts that read the final state alone.
 """
@@ -127,11 +129,13 @@ def trained(
     args: argparse.Namespace,
     reads: list[str],
     layers: Layers,
+    draft_layers: int = 1,
 ) -> FeatureDraft:
-    """A 1-layer draft trained as ``distill`` trains it (AdamW, warm-up and cosine decay, zero prompt features
-    three times in four, training-time test over ``--depth`` passes from half-way), reading ``reads``."""
+    """A draft of ``draft_layers`` layers trained as ``distill`` trains it (AdamW, warm-up and cosine decay, zero
+    prompt features three times in four, training-time test over ``--depth`` passes from half-way), reading
+    ``reads``."""
     torch.manual_seed(args.seed)
-    draft = new_draft(target, index, 1).float()
+    draft = new_draft(target, index, draft_layers).float()
     if reads != ["final"]:
         hidden = draft.config.hidden_size
         draft.fuse = nn.Linear(len(reads) * hidden, hidden, bias=False)
@@ -192,7 +196,8 @@ def main() -> None:
     train, held = rng.sample(train, min(args.train, len(train))), rng.sample(held, min(args.held, len(held)))
     target_dir = args.target or str(smollm2.full_model())
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    wanted = sorted({int(n) for reads in args.reads for n in reads.split(",") if n != "final"})
+    variants = {v: (v.split(":")[0].split(","), int(v.split(":")[1]) if ":" in v else 1) for v in args.reads}
+    wanted = sorted({int(n) for names, _ in variants.values() for n in names if n != "final"})
     started = time.perf_counter()
     layers = entering(target, [*train, *held], wanted) if wanted else {}
     took = time.perf_counter() - started
@@ -201,10 +206,9 @@ def main() -> None:
     eos = target.generation_config.eos_token_id
     index = distill.frequent_tokens(train, 8192, vocab, [eos] if isinstance(eos, int) else list(eos or []))
     figures: dict[str, Any] = {"train": len(train), "held": len(held), "steps": args.steps}
-    for reads in args.reads:
-        names = reads.split(",")
+    for reads, (names, draft_layers) in variants.items():
         started = time.perf_counter()
-        draft = trained(target, index, train, args, names, layers)
+        draft = trained(target, index, train, args, names, layers, draft_layers)
         figures[reads] = agreement(draft, held, args.depth, reads=names, layers=layers)
         print(f"reads {reads}: agreement by token of a round {figures[reads]} ({time.perf_counter() - started:.0f} s)")
     if args.json:
