@@ -25,6 +25,7 @@ import json
 import math
 import random
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +34,6 @@ from torch.nn import functional as F
 
 from ead_llm.drafts import distill
 from ead_llm.drafts.model import FeatureDraft, new_draft, previous
-from ead_llm.drafts.unroll import unrolled
 from ead_llm.testing import smollm2
 
 Layers = dict[int, dict[int, torch.Tensor]]  # example id -> layer -> [T, H]
@@ -66,10 +66,11 @@ def read(
     zero_prompt: list[bool],
     noise: float,
     gen: torch.Generator | None,
+    *,
     reads: list[str],
     layers: Layers,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids and what each position reads (``distill.inputs_of`` for ``final``; joined otherwise)."""
+    """Token ids and what each position reads (``distill.final_states`` for ``final``; joined otherwise)."""
     ids, final = distill.inputs_of(group, zero_prompt, noise, gen)
     if reads == ["final"]:
         return ids, final
@@ -88,38 +89,6 @@ def read(
         parts.append(x)
     fuse: Any = draft.fuse
     return ids, fuse(torch.cat(parts, dim=-1).to(fuse.weight.dtype))
-
-
-def loss_of(
-    draft: FeatureDraft, group: list[distill.Example], zero_prompt: list[bool], gen: Any, depth: int, **kw: Any
-) -> torch.Tensor:
-    """``distill.loss_of`` with what the positions read chosen by ``read``."""
-    ids, feats = read(draft, group, zero_prompt, 0.2, gen, **kw)
-    index, offsets = distill._answer_index(group)
-    truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
-    with torch.no_grad():
-        teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
-    total = torch.zeros(())
-    for j, out in enumerate(unrolled(draft, ids, feats, depth)):
-        counted = offsets >= j
-        guess = out[index][counted]
-        ce = -(teacher[counted] * torch.log_softmax(draft.head(guess).float(), dim=-1)).sum(-1).mean()
-        total = total + ce + F.smooth_l1_loss(guess.float(), truth[counted])
-    return total / depth
-
-
-@torch.no_grad()
-def agreement(draft: FeatureDraft, examples: list[distill.Example], depth: int, **kw: Any) -> list[float]:
-    same, total = [0] * depth, [0] * depth
-    for group in distill.batches(examples, 16):
-        ids, feats = read(draft, group, [True] * len(group), 0.0, None, **kw)
-        for j, out in enumerate(unrolled(draft, ids, feats, depth)):
-            best = draft.vocab_index[draft.head(out).argmax(-1)]  # type: ignore[index]
-            for row, example in enumerate(group):
-                mine = best[row, example.start + j : len(example.ids) - 1]
-                same[j] += int((mine == example.best[j:]).sum())
-                total[j] += mine.numel()
-    return [round(s / max(1, t), 4) for s, t in zip(same, total, strict=True)]
 
 
 def trained(
@@ -164,9 +133,8 @@ def trained(
                 setting["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.05 + 0.475 * (1.0 + math.cos(math.pi * done)))
             zero = [rng.random() < 0.75 for _ in group]
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = loss_of(
-                    draft, group, zero, generator, args.depth if done >= 0.5 else 1, reads=reads, layers=layers
-                )
+                reader = partial(read, reads=reads, layers=layers)
+                loss = distill.loss_of(draft, group, zero, 0.2, generator, args.depth if done >= 0.5 else 1, reader)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(own, 1.0)
@@ -209,7 +177,8 @@ def main() -> None:
     for reads, (names, draft_layers) in variants.items():
         started = time.perf_counter()
         draft = trained(target, index, train, args, names, layers, draft_layers)
-        figures[reads] = agreement(draft, held, args.depth, reads=names, layers=layers)
+        reader = partial(read, reads=names, layers=layers)
+        figures[reads] = [round(a, 4) for a in distill.agreement(draft, held, depth=args.depth, read=reader)]
         print(f"reads {reads}: agreement by token of a round {figures[reads]} ({time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:

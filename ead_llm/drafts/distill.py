@@ -36,7 +36,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -538,14 +538,31 @@ def _answer_index(group: list[Example]) -> tuple[tuple[torch.Tensor, torch.Tenso
     return (torch.tensor(rows), torch.tensor(cols)), torch.tensor(offsets)
 
 
+Reader = Callable[[FeatureDraft, list[Example], list[bool], float, Any], tuple[torch.Tensor, torch.Tensor]]
+"""What the positions of a batch read: ``(draft, group, zero_prompt, noise, generator) -> (ids, features)``."""
+
+
+def final_states(
+    draft: FeatureDraft, group: list[Example], zero_prompt: list[bool], noise: float, gen: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shipped drafts' reading: the target's final state at the position before (:func:`inputs_of`)."""
+    return inputs_of(group, zero_prompt, noise, gen)
+
+
 def loss_of(
-    draft: FeatureDraft, group: list[Example], zero_prompt: list[bool], noise: float, gen: Any, depth: int = 1
+    draft: FeatureDraft,
+    group: list[Example],
+    zero_prompt: list[bool],
+    noise: float,
+    gen: Any,
+    depth: int = 1,
+    read: Reader = final_states,
 ) -> torch.Tensor:
     """Cross-entropy of the target's head distribution (over the draft's tokens) plus the smooth-L1 distance of
     the draft's outputs from the target's features, over answer positions, averaged over ``depth`` passes of
     training-time test (:mod:`ead_llm.drafts.unroll`): pass ``j`` counts the positions at least ``j`` into an
     answer, the ``j``-th token of a round that started there."""
-    ids, feats = inputs_of(group, zero_prompt, noise, gen)
+    ids, feats = read(draft, group, zero_prompt, noise, gen)
     index, offsets = _answer_index(group)
     truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
     with torch.no_grad():
@@ -560,14 +577,21 @@ def loss_of(
 
 
 @torch.no_grad()
-def agreement(draft: FeatureDraft, examples: list[Example], *, zero_prompt: bool = True, depth: int = 1) -> list[float]:
+def agreement(
+    draft: FeatureDraft,
+    examples: list[Example],
+    *,
+    zero_prompt: bool = True,
+    depth: int = 1,
+    read: Reader = final_states,
+) -> list[float]:
     """How often the draft's best token is the target's over the answer positions of ``examples``, for each of
     ``depth`` passes: pass 0 teacher forced (each position reads the target's feature of the one before; zero
     features over the prompt), pass ``j`` as the ``j``-th token of a round (its own guesses before it), over the
     positions at least ``j`` into an answer."""
     same, total = [0] * depth, [0] * depth
     for group in batches(examples, 16):
-        ids, feats = inputs_of(group, [zero_prompt] * len(group), 0.0, None)
+        ids, feats = read(draft, group, [zero_prompt] * len(group), 0.0, None)
         for j, out in enumerate(unrolled(draft, ids, feats, depth)):
             best = draft.vocab_index[draft.head(out).argmax(-1)]  # type: ignore[index]
             for row, example in enumerate(group):
