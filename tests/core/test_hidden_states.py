@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from ead_llm import EAD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm import EAD, EAGER, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import ModelPair
 from ead_llm.core.policy import Policy
@@ -59,6 +59,16 @@ def test_speculative_rounds_with_rollbacks_hand_back_the_same_states(engine: Eng
         assert a.token_ids == d.token_ids
         assert a.hidden_states is not None and d.hidden_states is not None
         assert torch.allclose(a.hidden_states, d.hidden_states, atol=1e-4)
+
+
+def test_a_branched_paths_states_are_those_of_its_own_text(engine: Engine, llama_paths: tuple[Path, Path]) -> None:
+    """EAGER's paths share their prefix's blocks (copied where written): the chosen path's states are those of
+    its own text, prefix included."""
+    done = _run(engine, EAGER(theta=1.0, max_paths=8, percentile=0.0, temperature=0.0), seed=0)
+    assert any(d.paths > 1 and d.path > 0 for d in done)  # a branch, not the first path, was chosen somewhere
+    for prompt, path in zip(PROMPTS, done, strict=True):
+        truth = _truth(llama_paths[1], engine, path, prompt)
+        assert path.hidden_states is not None and torch.allclose(path.hidden_states, truth, atol=1e-4)
 
 
 def test_positions_the_large_model_never_read_are_nan(engine: Engine, llama_paths: tuple[Path, Path]) -> None:
