@@ -1,5 +1,7 @@
-"""The engine's projections (oneDNN with packed weights) against torch's default ``F.linear``, on a real model's
-weights: every projection of every layer and the head, once per row count, as one forward's matrix products.
+"""The engine's projection kernels (oneDNN on packed weights, BLAS on transposed ones) against torch's default
+``F.linear``, on a real model's weights: every projection of every layer and the head, once per row count, as one
+forward's matrix products. The engine takes the faster kernel per model and machine (``choose_kernel``); this
+prints both.
 
 Why it matters: a speculative verify pass of a few tokens should cost about one decode step; with torch's default
 CPU BLAS on some machines it costs nearly once per row. Run with the same threads on both sides:
@@ -18,7 +20,7 @@ import torch
 from torch.nn import functional as F
 from transformers import AutoModelForCausalLM
 
-from ead_llm.core.fused_llama import ONEDNN, FusedLlama
+from ead_llm.core.fused_llama import KERNELS, FusedLlama
 
 ROWS = (1, 2, 3, 4, 5, 8, 64, 256)
 
@@ -50,15 +52,15 @@ def main() -> None:
     fused = FusedLlama(model)
     projections = [p for layer in fused.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     projections.append(fused.head)
-    if ONEDNN is None or any(p.packed is None for p in projections):
-        raise SystemExit("this torch build (or this machine's free memory) does not pack: nothing to compare")
+    kernels = [k for k in KERNELS if all(p.use(k) for p in projections)]
+    if not kernels:
+        raise SystemExit("this torch build (or this machine's free memory) prepares no kernel: nothing to compare")
     size = sum(p.weight.numel() * p.weight.element_size() for p in projections) / 2**20
     print(
         f"{folder}: {len(projections)} projections, {size:.0f} MiB of float32 weights, "
         f"{torch.get_num_threads()} thread(s); ms per forward's matrix products, median (min-max) of {args.repeats}"
     )
-    print(f"{'rows':>5} {'F.linear':>20} {'packed oneDNN':>20} {'speed-up':>9} {'vs 1 row':>9}")
-    one_row = None
+    print(f"{'rows':>5} {'F.linear':>20}" + "".join(f" {k:>20} {'speed-up':>9}" for k in kernels))
     with torch.inference_mode():
         for rows in ROWS:
             inputs = {p.weight.shape[1]: torch.randn(1, rows, p.weight.shape[1]) for p in projections}
@@ -67,17 +69,20 @@ def main() -> None:
                 for p in projections:
                     F.linear(inputs[p.weight.shape[1]], p.weight, p.bias)
 
-            def packed(inputs: dict[int, torch.Tensor] = inputs) -> None:
+            def prepared(inputs: dict[int, torch.Tensor] = inputs) -> None:
                 for p in projections:
                     p(inputs[p.weight.shape[1]])
 
-            theirs, ours = timed(plain, args.repeats), timed(packed, args.repeats)
-            t, o = statistics.median(theirs), statistics.median(ours)
-            one_row = one_row or o
-            print(
-                f"{rows:>5} {f'{t:.1f} ({min(theirs):.1f}-{max(theirs):.1f})':>20} "
-                f"{f'{o:.1f} ({min(ours):.1f}-{max(ours):.1f})':>20} {t / o:>8.2f}x {o / one_row:>8.2f}x"
-            )
+            theirs = timed(plain, args.repeats)
+            t = statistics.median(theirs)
+            line = f"{rows:>5} {f'{t:.2f} ({min(theirs):.2f}-{max(theirs):.2f})':>20}"
+            for kernel in kernels:
+                for p in projections:
+                    p.use(kernel)
+                ours = timed(prepared, args.repeats)
+                o = statistics.median(ours)
+                line += f" {f'{o:.2f} ({min(ours):.2f}-{max(ours):.2f})':>20} {t / o:>8.2f}x"
+            print(line)
 
 
 if __name__ == "__main__":

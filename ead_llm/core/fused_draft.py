@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from ead_llm.core.fused_llama import FusedLayer, Projection, rms_norm, signed_sin, tune_widths, worth_packing
+from ead_llm.core.fused_llama import (
+    FusedLayer,
+    Projection,
+    choose_kernel,
+    first_kernel,
+    rms_norm,
+    signed_sin,
+    tune_widths,
+)
 
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
@@ -30,14 +38,15 @@ class FusedDraft:
     """A feature-reading draft's forward on a packed batch."""
 
     def __init__(self, model: Any) -> None:
-        pack = worth_packing(model)
+        kernel = first_kernel(model)
         self.embedding = model.embed_tokens.weight
-        self.fc = Projection(model.fc.weight, None, pack=pack)
+        self.fc = Projection(model.fc.weight, None, kernel=kernel)
         self.rotary = model.rotary_emb
-        self.layers = [FusedLayer(layer, pack=pack) for layer in model.layers]
+        self.layers = [FusedLayer(layer, kernel=kernel) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
-        self.head = Projection(model.head.weight, None, pack=pack)
+        self.head = Projection(model.head.weight, None, kernel=kernel)
         self.projections = [self.fc, self.head, *(p for layer in self.layers for p in layer.projections)]
+        choose_kernel(self.projections)
         tune_widths(self.projections)
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)

@@ -6,8 +6,9 @@ small model and, on a GPU, a kernel launch per projection. This pass does the sa
 one function per layer, with q/k/v in one matmul and gate/up in another (the module weights
 become views into the fused tensors: no extra memory), and the engine's paged attention in
 between. Every other operation is the one transformers runs (same RMSNorm in float32, same rotary
-tables from the model's own rotary module, same SDPA); the projections run through oneDNN with packed weights
-on CPU in float32 (:class:`Projection`: 1.9-4x torch's default BLAS here), so the logits match its forward to
+tables from the model's own rotary module, same SDPA); on CPU in float32 the projections run on weights prepared for
+the faster of two kernels on this machine (:class:`Projection`: oneDNN's packed layout, or BLAS on the weight
+transposed), each giving a row the same bits whatever rows share its call, so the logits match its forward to
 float32 rounding.
 
 Used when :func:`supports` accepts the model (plain ``nn.Linear`` projections, SiLU MLP, RMSNorm, no
@@ -16,9 +17,13 @@ sliding window); anything else runs through transformers' modules with the same 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import platform
+import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,64 +53,124 @@ PACK_ROWS = 4
 ``benchmarks/linear_kernels.py``): packed for 1 row, 2 to 64 rows cost 1.7-2x one row; packed for 2 to 16, alike
 (2 to 5 rows 1.0-1.4x one row); at least 1.9x faster than torch's default CPU BLAS from 1 to 256 rows."""
 
+KERNELS = ("onednn", "blas")
+"""How a float32 CPU projection runs: ``onednn``, oneDNN's linear on the weight packed into its blocked layout;
+``blas``, torch's BLAS (``mm``/``addmm``) on the weight stored transposed, ``[in, out]`` and contiguous. Either
+gives a row the same bits whatever rows share its call (oneDNN by construction; BLAS where :meth:`Projection.use`
+finds it so on this machine), so a prompt's text does not depend on its place in a batch. Which is faster depends
+on the machine and the model: on an AMD EPYC (Zen 4) oneDNN's packed products ran 1.9-4x torch's default CPU
+BLAS; on an Intel Xeon with AVX-512 the embedded large model's decode forward took 1.80 ms with oneDNN and 1.46 ms
+with BLAS (a packed call costs about 20 us there before any arithmetic), while SmolLM2 still ran faster packed.
+:func:`choose_kernel` times both per model and records the choice for the machine."""
 
 PACK_MIN_BYTES = 4 * 2**20
-"""Models smaller than this run unpacked: a packed call has a fixed cost (about 12 us against 3 us for ``F.linear``,
-one thread) that a tiny model's products do not repay. Measured through the runner (one thread, a decode pass at
-100 positions): the embedded small model (0.2 MB) 0.22-0.24 ms unpacked against 0.53-0.69 packed; the embedded
-large one (14 MB) packed 1.16-1.86 ms at 1 token (1.55-1.76 unpacked) and 1.26-1.40 at 2 (1.66-1.98)."""
+"""Models smaller than this run through BLAS without timing oneDNN: a packed call has a fixed cost (about 12 us
+against 3 us for ``F.linear`` on an AMD EPYC, 20 against 8 on an Intel Xeon, one thread) that a tiny model's
+products do not repay. Measured through the runner (one thread, a decode pass at 100 positions, AMD): the embedded
+small model (0.2 MB) 0.22-0.24 ms unpacked against 0.53-0.69 packed."""
 
 
-def worth_packing(model: Any) -> bool:
-    """Whether :class:`Projection` should pack ``model``'s weights: float32 on CPU with oneDNN, at least
-    :data:`PACK_MIN_BYTES` of them, and a second copy fits in half the memory available now (a model near the
-    machine's size runs unpacked)."""
+def first_kernel(model: Any) -> str | None:
+    """The kernel ``model``'s projections start with (:data:`KERNELS`), or None for ``F.linear`` itself: float32
+    on CPU only, and only where a second copy of the weights fits in half the memory available now (a model near
+    the machine's size runs on its own weights). oneDNN from :data:`PACK_MIN_BYTES` of weights where torch has it,
+    BLAS below (and :func:`choose_kernel` then weighs the two)."""
     weights = list(model.parameters())
-    if ONEDNN is None or not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
-        return False
+    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return None
     size = sum(w.numel() * w.element_size() for w in weights)
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not a POSIX system: pack only what is small
+    except (AttributeError, ValueError, OSError):  # not a POSIX system: prepare only what is small
         available = 4 * 2**30
-    return size >= PACK_MIN_BYTES and 2 * size <= available
+    if 2 * size > available:
+        return None
+    return "onednn" if size >= PACK_MIN_BYTES and ONEDNN is not None else "blas"
+
+
+PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 16, 33)
+"""Row counts whose bits :meth:`Projection.use` compares with the same rows among 64."""
+_AGREEMENT: dict[tuple[Any, ...], tuple[bool, bool]] = {}
+"""Probes already run in this process, by kernel, shape, bias and threads: (one row alone agrees, every other
+probed count agrees)."""
 
 
 class Projection:
-    """``F.linear`` with one weight (and bias), for inference. On CPU in float32, where torch has oneDNN, the weight
-    is packed once into oneDNN's blocked layout (a second copy of it: the model's own stays for its modules) and
-    every call reads it there: each row's result is then the same whatever rows share the call, and differs from
-    ``F.linear``'s by rounding only (tested). The packed copy is taken once: weights changed in place later are
-    not seen (build the engine after changing them)."""
+    """``F.linear`` with one weight (and bias), for inference. On CPU in float32 the weight is prepared once for one
+    of :data:`KERNELS` (a second copy of it: the model's own stays for its modules) and every call reads it there:
+    each row's result is then the same whatever rows share the call, and differs from ``F.linear``'s by rounding
+    only (tested). The copy is taken once: weights changed in place later are not seen (build the engine after
+    changing them)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, pack: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, kernel: str | None) -> None:
         self.weight, self.bias = weight, bias
+        self.kernel: str | None = None
+        """One of :data:`KERNELS`, or None: ``F.linear`` on the model's own weight."""
         self.packed: torch.Tensor | None = None
+        """The weight as the kernel reads it (oneDNN's blocked layout, or transposed for BLAS)."""
         self.pad_single = False
-        """Whether one row is sent as two: oneDNN runs a single row of a wide input (1,536 inputs and more on
-        this machine's CPU) through another kernel, whose last bits differ from the same row's among others."""
+        """Whether one row is sent as two: a kernel may run a single row through another code path (oneDNN for
+        1,536 inputs and more on an AMD EPYC, BLAS for any shape on an Intel Xeon), whose last bits differ from the
+        same row's among others."""
         self.widths: tuple[int, ...] = ()
         """``widths[r]``: how many rows a call of ``r`` rows is sent as (copies of its last row fill the rest;
         :func:`tune_widths` sets it where more rows run faster); calls of more rows go as they are."""
-        if pack and ONEDNN is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self.packed = ONEDNN[1](weight.detach(), PACK_ROWS)
-            self.pad_single = not self._single_rows_agree()
+        if kernel is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
+            self.use(kernel)
 
-    def _single_rows_agree(self) -> bool:
-        """Whether rows called alone get the bits they get among others (which kernel oneDNN picks for one row
-        depends on the shape and the CPU, so it is asked, not assumed: a different kernel sums in another order
-        and differs on random rows)."""
-        probe = torch.randn(4, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    def use(self, kernel: str | None) -> bool:
+        """Run on ``kernel`` from now on (None: ``F.linear``), if it gives every row the same bits whatever rows
+        share its call, one row alone aside (then sent as two); False, changing nothing, where it does not (or
+        oneDNN is missing)."""
+        if kernel == self.kernel:
+            return True
+        if kernel is None:
+            self.kernel, self.packed, self.pad_single = None, None, False
+            return True
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
+        if kernel == "onednn" and ONEDNN is None:
+            return False
+        weight = self.weight.detach()
+        was = (self.kernel, self.packed)
+        self.kernel = kernel
+        self.packed = ONEDNN[1](weight, PACK_ROWS) if kernel == "onednn" else weight.t().contiguous()  # type: ignore[index]
+        key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
+        if key not in _AGREEMENT:
+            _AGREEMENT[key] = self._rows_agree()
+        single, others = _AGREEMENT[key]
+        if not others:
+            self.kernel, self.packed = was
+            return False
+        self.pad_single = not single
+        return True
+
+    def _rows_agree(self) -> tuple[bool, bool]:
+        """Whether rows called alone, and rows called in smaller groups, get the bits they get among 64 (which code
+        path a kernel takes for a row count depends on the shape and the CPU, so it is asked, not assumed: another
+        path sums in another order and differs on random rows)."""
+        probe = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             together = self._packed(probe)
-            return all(torch.equal(self._packed(probe[i : i + 1]), together[i : i + 1]) for i in range(len(probe)))
+
+            def agree(rows: int) -> bool:
+                return torch.equal(self._packed(probe[:rows]), together[:rows]) and torch.equal(
+                    self._packed(probe[-rows:]), together[-rows:]
+                )
+
+            return agree(1), all(agree(rows) for rows in PROBE_ROWS[1:])
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.packed is not None
+        if self.kernel == "blas":
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.mm(flat, self.packed) if self.bias is None else torch.addmm(self.bias, flat, self.packed)
+            return out.view(*x.shape[:-1], out.shape[-1])
         assert ONEDNN is not None
         return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
 
     def width(self, rows: int) -> int:
-        """The rows a packed call of ``rows`` rows runs as: never one alone where one row takes another kernel."""
+        """The rows a call of ``rows`` rows runs as: never one alone where one row takes another path."""
         wide = self.widths[rows] if rows < len(self.widths) else rows
         return 2 if wide == 1 and self.pad_single else wide
 
@@ -116,7 +181,8 @@ class Projection:
             if wide == rows:
                 return self._packed(x)
             flat = x.reshape(rows, -1)
-            out = self._packed(torch.cat((flat, flat[-1:].expand(wide - rows, -1))))
+            padded = flat.expand(wide, -1) if rows == 1 else torch.cat((flat, flat[-1:].expand(wide - rows, -1)))
+            out = self._packed(padded)
             return out[:rows].view(*x.shape[:-1], out.shape[-1])
         return F.linear(x, self.weight, self.bias)
 
@@ -141,16 +207,16 @@ def choose_widths(seconds: dict[int, float], margin: float = TUNE_MARGIN) -> tup
 
 
 def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, ...]:
-    """Time a model's packed projections (one pass's products) at 1 to :data:`TUNED_ROWS` rows, interleaved, and give
-    each the widths :func:`choose_widths` takes from the fastest samples. On this machine's CPU a memory-bound model
-    (SmolLM2: 540 MB of weights) ran its products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN streams
-    packed weights faster with more rows. Which width a call runs as changes its time only, never its rows' bits (every
-    width from two rows on gives a row the same bits, and one row runs alone only where it matches them). Timed once
-    per process for a set of shapes and thread count."""
+    """Time a model's prepared projections (one pass's products) at 1 to :data:`TUNED_ROWS` rows, interleaved, and
+    give each the widths :func:`choose_widths` takes from the fastest samples. On an AMD EPYC a memory-bound model
+    (SmolLM2: 540 MB of weights) ran its packed products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN
+    streams packed weights faster with more rows. Which width a call runs as changes its time only, never its rows'
+    bits (every width from two rows on gives a row the same bits, and one row runs alone only where it matches
+    them). Timed once per process for a kernel, a set of shapes and a thread count."""
     packed = [p for p in projections if p.packed is not None]
     if not packed:
         return ()
-    key = (torch.get_num_threads(), repeats, tuple((tuple(p.weight.shape), p.pad_single) for p in packed))
+    key = (torch.get_num_threads(), repeats, *_shapes(packed))
     widths = _TUNED.get(key)
     if widths is None:
         widths = _TUNED[key] = _time_widths(packed, repeats)
@@ -160,12 +226,21 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
 
 
 _TUNED: dict[tuple[Any, ...], tuple[int, ...]] = {}
-"""Widths already timed in this process, by thread count and the projections' shapes: a second engine on the same
-model (or another model of the same shapes) takes them instead of timing again."""
+"""Widths already timed in this process, by thread count and the projections' kernels and shapes: a second engine
+on the same model (or another model of the same shapes) takes them instead of timing again."""
+
+
+def _shapes(packed: list[Projection]) -> tuple[tuple[Any, ...], ...]:
+    return tuple((p.kernel, tuple(p.weight.shape), p.bias is not None, p.pad_single) for p in packed)
 
 
 def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
     """:func:`tune_widths`'s timing: the widths for ``packed`` projections."""
+    return choose_widths(_time_rows(packed, repeats))
+
+
+def _time_rows(packed: list[Projection], repeats: int) -> dict[int, float]:
+    """Seconds of ``packed``'s products at 1 to :data:`TUNED_ROWS` rows (the fastest of ``repeats`` samples)."""
     # each call as it runs untuned (one row as two where it must be); the caller's random state is left alone
     gen = torch.Generator().manual_seed(0)
     inputs = {
@@ -182,14 +257,109 @@ def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        products(inputs[2], 1)  # untimed: oneDNN makes its kernels on first use
+        products(inputs[2], 1)  # untimed: a kernel makes its code paths on first use
         # a small model's pass takes well under a millisecond: each sample runs enough passes to outlast the noise
         times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(products(inputs[1], 1), 1e-6))))
         for _ in range(repeats):
             for n, xs in inputs.items():
-                samples[n].append(products(xs, times))
+                samples[n].append(products(xs, times) / times)
     # the fastest sample of each: a busy machine only ever adds time, and a small model's widths must not follow it
-    return choose_widths({n: min(times) for n, times in samples.items()})
+    return {n: min(times) for n, times in samples.items()}
+
+
+def kernel_cost(seconds: dict[int, float]) -> float:
+    """One figure for a kernel's times per row count: calls of 1 to :data:`TUNED_ROWS` rows, each at its best width,
+    added up (decode at one row and verification or a few callers at a few rows weigh alike)."""
+    widths = choose_widths(seconds)
+    return sum(seconds[widths[rows]] for rows in range(1, len(widths)))
+
+
+def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None:
+    """Put a model's prepared projections on the faster of :data:`KERNELS` (both timed as :func:`tune_widths` times
+    widths, where both keep every row's bits whatever rows share a call) and return it. The choice changes the last
+    bits of the logits, so it is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU, torch's
+    version, the thread count and the shapes): every later process on the machine runs the same kernel, and the
+    same seed gives the same text. Projections that start on ``F.linear`` or on BLAS (a model under
+    :data:`PACK_MIN_BYTES`) stay as they are."""
+    prepared = [p for p in projections if p.kernel == "onednn"]
+    if not prepared or len(prepared) != len([p for p in projections if p.packed is not None]):
+        return projections[0].kernel if projections else None
+    key = kernel_key(prepared)
+    chosen = _recorded_kernel(key)
+    if chosen is None:
+        costs = {}
+        for kernel in KERNELS:
+            if all(p.use(kernel) for p in prepared):
+                costs[kernel] = kernel_cost(_time_rows(prepared, repeats))
+            else:
+                break
+        chosen = min(costs, key=lambda k: costs[k])
+        chosen = _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
+    if not all(p.use(chosen) for p in prepared):  # a record from another build whose BLAS now differs per row
+        for p in prepared:
+            p.use("onednn")
+        return "onednn"
+    return chosen
+
+
+def kernel_key(prepared: list[Projection]) -> str:
+    """The record's key for a model's projections on this machine."""
+    shapes = sorted({(tuple(p.weight.shape), p.bias is not None) for p in prepared})
+    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shapes}"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()}".strip()
+
+
+def kernel_record() -> Path:
+    """Where the kernels chosen on this machine are kept: ``linear_kernels.json`` in ``$EAD_LLM_CACHE`` or
+    ``~/.cache/ead-llm``."""
+    return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm")) / "linear_kernels.json"
+
+
+_RECORD_LOCK = threading.Lock()
+
+
+def _read_record() -> dict[str, Any]:
+    try:
+        record = json.loads(kernel_record().read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _recorded_kernel(key: str) -> str | None:
+    entry = _read_record().get(key)
+    kernel = entry.get("kernel") if isinstance(entry, dict) else None
+    return kernel if kernel in KERNELS else None
+
+
+def _record_kernel(key: str, kernel: str, costs: dict[str, float]) -> str:
+    """Keep ``kernel`` for ``key`` unless another process kept one first (then that one); the file is replaced
+    whole (never seen half written). A machine where it cannot be written keeps the choice for this process."""
+    with _RECORD_LOCK:
+        record = _read_record()
+        earlier = record.get(key)
+        if isinstance(earlier, dict) and earlier.get("kernel") in KERNELS:
+            return str(earlier["kernel"])
+        record[key] = {"kernel": kernel, "ms_per_pass_products": costs}
+        path = kernel_record()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+            scratch.write_text(json.dumps(record, indent=1, sort_keys=True))
+            os.replace(scratch, path)
+        except OSError:
+            pass
+        return kernel
 
 
 def supports(model: Any) -> bool:
@@ -260,7 +430,7 @@ def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
 class FusedLayer:
     """One decoder layer's weights, fused."""
 
-    def __init__(self, layer: Any, *, pack: bool) -> None:
+    def __init__(self, layer: Any, *, kernel: str | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.attention = attn
         self.index = int(attn.layer_idx)
@@ -268,10 +438,10 @@ class FusedLayer:
         self.heads = attn.q_proj.out_features // self.head_dim
         self.kv_heads = attn.k_proj.out_features // self.head_dim
         self.scaling = float(attn.scaling)
-        self.qkv = Projection(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), pack=pack)
-        self.o = Projection(attn.o_proj.weight, attn.o_proj.bias, pack=pack)
-        self.gate_up = Projection(*_fuse(mlp.gate_proj, mlp.up_proj), pack=pack)
-        self.down = Projection(mlp.down_proj.weight, mlp.down_proj.bias, pack=pack)
+        self.qkv = Projection(*_fuse(attn.q_proj, attn.k_proj, attn.v_proj), kernel=kernel)
+        self.o = Projection(attn.o_proj.weight, attn.o_proj.bias, kernel=kernel)
+        self.gate_up = Projection(*_fuse(mlp.gate_proj, mlp.up_proj), kernel=kernel)
+        self.down = Projection(mlp.down_proj.weight, mlp.down_proj.bias, kernel=kernel)
         self.input_norm = (layer.input_layernorm.weight, float(layer.input_layernorm.variance_epsilon))
         self.post_norm = (layer.post_attention_layernorm.weight, float(layer.post_attention_layernorm.variance_epsilon))
         self.qk_width = (self.heads + self.kv_heads) * self.head_dim  # q and k lie side by side in qkv's output
@@ -300,13 +470,14 @@ class FusedLlama:
 
     def __init__(self, model: Any) -> None:
         inner = model.model
-        pack = worth_packing(model)
+        kernel = first_kernel(model)
         self.embedding = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
-        self.head = Projection(model.lm_head.weight, model.lm_head.bias, pack=pack)
-        self.layers = [FusedLayer(layer, pack=pack) for layer in inner.layers]
+        self.head = Projection(model.lm_head.weight, model.lm_head.bias, kernel=kernel)
+        self.layers = [FusedLayer(layer, kernel=kernel) for layer in inner.layers]
         self.projections = [self.head, *(p for layer in self.layers for p in layer.projections)]
+        choose_kernel(self.projections)
         tune_widths(self.projections)
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads

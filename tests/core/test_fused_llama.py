@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -9,16 +13,22 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ead_llm.core import fused_llama
 from ead_llm.core.fused_llama import (
+    KERNELS,
     ONEDNN,
     PACK_MIN_BYTES,
+    PROBE_ROWS,
     TUNED_ROWS,
     Projection,
+    choose_kernel,
     choose_widths,
+    first_kernel,
+    kernel_record,
     rotary,
     signed_sin,
     tune_widths,
-    worth_packing,
 )
+
+AVAILABLE = [k for k in KERNELS if k != "onednn" or ONEDNN is not None]
 
 
 def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
@@ -38,14 +48,18 @@ def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
         assert torch.equal(ours[:, :heads], want_q) and torch.equal(ours[:, heads:], want_k)
 
 
-def test_projection_packs_float32_cpu_weights_and_matches_f_linear_to_rounding() -> None:
-    """oneDNN's packed weights give F.linear's values to float32 rounding, with and without bias, for 0 to 70 rows
-    (a decode step, a verify pass, a prefill) and for the [1, T, hidden] inputs the forward hands it."""
+@pytest.mark.parametrize("kernel", AVAILABLE)
+def test_projection_prepares_float32_cpu_weights_and_matches_f_linear_to_rounding(kernel: str) -> None:
+    """Each kernel's prepared weights give F.linear's values to float32 rounding, with and without bias, for 0 to 70
+    rows (a decode step, a verify pass, a prefill) and for the [1, T, hidden] inputs the forward hands it."""
     gen = torch.Generator().manual_seed(1)
     weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
     for b in (None, bias):
-        projection = Projection(weight, b, pack=True)
-        assert (projection.packed is not None) == (ONEDNN is not None)
+        projection = Projection(weight, b, kernel=kernel)
+        if projection.kernel is None:  # this machine's BLAS gives rows in small calls other bits: not used
+            assert kernel == "blas" and projection.packed is None
+            continue
+        assert projection.kernel == kernel and projection.packed is not None
         for rows in (0, 1, 2, 3, 5, 70):
             x = torch.randn(1, rows, 48, generator=gen)
             with torch.inference_mode():
@@ -54,18 +68,30 @@ def test_projection_packs_float32_cpu_weights_and_matches_f_linear_to_rounding()
             torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", [(200, 64), (64, 2048), (576, 1536)])
-def test_a_packed_projection_gives_each_row_the_same_bits_whatever_rows_share_the_call(
-    shape: tuple[int, int],
+@pytest.mark.parametrize("kernel", AVAILABLE)
+@pytest.mark.parametrize("shape", [(200, 64), (64, 2048), (576, 1536), (1536, 256)])
+def test_a_prepared_projection_gives_each_row_the_same_bits_whatever_rows_share_the_call(
+    shape: tuple[int, int], kernel: str
 ) -> None:
     """Batch invariance: row i of a 64-row call equals row i computed with 1, 2, 3, 4, 7 or 33 rows (a prompt's
     logits must not depend on where it stands in a batch), for narrow inputs and for wide ones such as SmolLM2's
-    down projection (1,536 inputs), where oneDNN runs a single row through another kernel."""
+    down projection (1,536 inputs), where oneDNN on some CPUs (and BLAS on others, for every shape) runs a single row
+    through another code path; with either kernel, where this machine's BLAS allows it at all."""
     gen = torch.Generator().manual_seed(2)
     out_features, in_features = shape
     weight, bias = torch.randn(shape, generator=gen) * 0.05, torch.randn(out_features, generator=gen)
-    projection = Projection(weight, bias, pack=True)
+    projection = Projection(weight, bias, kernel=kernel)
     x = torch.randn(64, in_features, generator=gen)
+    if projection.kernel is None:  # refused: then this machine's BLAS does give rows in small calls other bits
+        with torch.inference_mode():
+            transposed = weight.t().contiguous()
+            whole = torch.addmm(bias, x, transposed)
+            assert any(
+                not torch.equal(torch.addmm(bias, part, transposed), whole[:rows] if head else whole[-rows:])
+                for rows in PROBE_ROWS[1:]
+                for head, part in ((True, x[:rows]), (False, x[-rows:]))
+            )
+        return
     with torch.inference_mode():
         whole = projection(x)
         for rows in (1, 2, 3, 4, 7, 33):
@@ -74,24 +100,28 @@ def test_a_packed_projection_gives_each_row_the_same_bits_whatever_rows_share_th
         assert torch.equal(projection(x[None, 5:6])[0], whole[5:6])  # one row as the fused pass sends it
 
 
-def test_a_projection_is_f_linear_exactly_under_autograd_in_bfloat16_or_unpacked() -> None:
-    """Where it does not pack (bfloat16, asked not to) or autograd is on, it is F.linear itself, bit for bit."""
+@pytest.mark.parametrize("kernel", AVAILABLE)
+def test_a_projection_is_f_linear_exactly_under_autograd_in_bfloat16_or_unprepared(kernel: str) -> None:
+    """Where it does not prepare (bfloat16, asked not to) or autograd is on, it is F.linear itself, bit for bit."""
     gen = torch.Generator().manual_seed(3)
     weight, x = torch.randn(32, 16, generator=gen), torch.randn(3, 16, generator=gen)
-    assert torch.equal(Projection(weight, None, pack=True)(x), F.linear(x, weight))  # autograd on
-    assert Projection(weight, None, pack=False).packed is None
+    assert torch.equal(Projection(weight, None, kernel=kernel)(x), F.linear(x, weight))  # autograd on
+    assert Projection(weight, None, kernel=None).packed is None
     with torch.inference_mode():
-        assert torch.equal(Projection(weight, None, pack=False)(x), F.linear(x, weight))
-        half = Projection(weight.bfloat16(), None, pack=True)
+        assert torch.equal(Projection(weight, None, kernel=None)(x), F.linear(x, weight))
+        half = Projection(weight.bfloat16(), None, kernel=kernel)
         assert half.packed is None and torch.equal(half(x.bfloat16()), F.linear(x.bfloat16(), weight.bfloat16()))
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        Projection(weight, None, kernel="mkl")
 
 
-def test_worth_packing_only_float32_cpu_models_past_the_cache() -> None:
-    """A model whose weights stay in cache runs unpacked; one past PACK_MIN_BYTES packs, unless in bfloat16."""
-    assert not worth_packing(torch.nn.Linear(8, 8))
+def test_the_first_kernel_is_blas_below_the_cache_and_onednn_past_it_float32_on_cpu_only() -> None:
+    """A model whose weights stay in cache starts on BLAS (oneDNN's fixed cost per call does not pay); one past
+    PACK_MIN_BYTES on oneDNN where torch has it; bfloat16 runs F.linear."""
+    assert first_kernel(torch.nn.Linear(8, 8)) == "blas"
     big = torch.nn.Linear(1024, PACK_MIN_BYTES // 4096 + 1)
-    assert worth_packing(big) == (ONEDNN is not None)
-    assert not worth_packing(big.to(torch.bfloat16))
+    assert first_kernel(big) == ("onednn" if ONEDNN is not None else "blas")
+    assert first_kernel(big.to(torch.bfloat16)) is None
 
 
 def test_widths_send_a_call_as_the_fastest_row_count_at_least_its_own() -> None:
@@ -107,7 +137,7 @@ def test_rows_sent_as_more_rows_keep_their_bits(shape: tuple[int, int]) -> None:
     """Padding a call with copies of its last row changes no row's bits (one row alone too, where oneDNN would run
     it through another kernel) and returns only the call's own rows."""
     gen = torch.Generator().manual_seed(4)
-    projection = Projection(torch.randn(shape, generator=gen) * 0.05, None, pack=True)
+    projection = Projection(torch.randn(shape, generator=gen) * 0.05, None, kernel="onednn")
     x = torch.randn(64, shape[1], generator=gen)
     with torch.inference_mode():
         whole = projection(x)
@@ -122,7 +152,7 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
     """Tuning times each row count as it runs before tuning (one row as two only where it must), so a second tuning
     measures what the first did, not the widths the first chose."""
     gen = torch.Generator().manual_seed(6)
-    projections = [Projection(torch.randn(64, 2048, generator=gen), None, pack=True) for _ in range(2)]
+    projections = [Projection(torch.randn(64, 2048, generator=gen), None, kernel="onednn") for _ in range(2)]
     monkeypatch.setattr(fused_llama, "_TUNED", {})  # time them here, whatever this process timed before
     seen: list[tuple[int, ...]] = []
     original = Projection._packed
@@ -142,7 +172,7 @@ def test_packing_and_tuning_leave_the_callers_random_state_alone(monkeypatch: py
     torch.manual_seed(11)
     expected = torch.rand(3)
     torch.manual_seed(11)
-    tune_widths([Projection(weight, None, pack=True)], repeats=1)
+    tune_widths([Projection(weight, None, kernel="onednn")], repeats=1)
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -154,9 +184,63 @@ def test_a_second_model_of_the_same_shapes_takes_the_widths_timed_for_the_first(
     timings: list[int] = []
     monkeypatch.setattr(fused_llama, "_time_widths", lambda packed, repeats: timings.append(len(packed)) or (0, 3))
     gen = torch.Generator().manual_seed(8)
-    first = [Projection(torch.randn(64, 48, generator=gen), None, pack=True) for _ in range(2)]
-    second = [Projection(torch.randn(64, 48, generator=gen), None, pack=True) for _ in range(2)]
+    first = [Projection(torch.randn(64, 48, generator=gen), None, kernel="onednn") for _ in range(2)]
+    second = [Projection(torch.randn(64, 48, generator=gen), None, kernel="onednn") for _ in range(2)]
     assert tune_widths(first) == tune_widths(second) == (0, 3)
     assert timings == [2] and all(p.widths == (0, 3) for p in first + second)
-    tune_widths([Projection(torch.randn(32, 48, generator=gen), None, pack=True)])  # other shapes: timed
+    tune_widths([Projection(torch.randn(32, 48, generator=gen), None, kernel="onednn")])  # other shapes: timed
     assert timings == [2, 1]
+
+
+def _onednn_projections(seed: int, count: int = 2) -> list[Projection]:
+    assert ONEDNN is not None, "the CPU build of torch this project pins ships oneDNN"
+    gen = torch.Generator().manual_seed(seed)
+    return [Projection(torch.randn(96, 48, generator=gen), None, kernel="onednn") for _ in range(count)]
+
+
+def _timings_favouring(kernel: str) -> Any:
+    """A stand-in for the timing: ``kernel``'s products take half the other's at every row count."""
+    return lambda packed, repeats: dict.fromkeys(range(1, TUNED_ROWS + 1), 1.0 if packed[0].kernel == kernel else 2.0)
+
+
+def test_the_kernel_is_timed_once_per_machine_and_kept_so_every_process_computes_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The faster kernel is taken and recorded; a later choice (another process, another engine) on the same machine
+    takes the record whatever its own timing says, so the same seed keeps giving the same text; without the record
+    the timing decides again."""
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    blas_allowed = Projection(torch.randn(96, 48), None, kernel="blas").kernel == "blas"
+    monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("blas"))
+    first = _onednn_projections(1)
+    want = "blas" if blas_allowed else "onednn"
+    assert choose_kernel(first) == want and all(p.kernel == want for p in first)
+    record = json.loads(kernel_record().read_text())
+    assert [entry["kernel"] for entry in record.values()] == [want]
+    monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("onednn"))
+    again = _onednn_projections(2)
+    assert choose_kernel(again) == want and all(p.kernel == want for p in again)  # the record, not the timing
+    kernel_record().unlink()
+    assert choose_kernel(_onednn_projections(3)) == "onednn"
+
+
+def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A read-only or missing cache folder is no error: the kernel is chosen for this process."""
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    monkeypatch.setenv("EAD_LLM_CACHE", str(blocker))
+    monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("onednn"))
+    assert choose_kernel(_onednn_projections(4)) == "onednn"
+    assert not kernel_record().exists()
+
+
+def test_projections_that_start_on_blas_or_f_linear_are_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model (BLAS from the start) or a bfloat16 one (F.linear) keeps its kernel and times nothing."""
+    monkeypatch.setattr(fused_llama, "_time_rows", lambda packed, repeats: pytest.fail("timed"))
+    gen = torch.Generator().manual_seed(5)
+    small = [Projection(torch.randn(16, 8, generator=gen), None, kernel="blas") for _ in range(2)]
+    assert choose_kernel(small) == small[0].kernel
+    half = [Projection(torch.randn(16, 8, generator=gen).bfloat16(), None, kernel="onednn")]
+    assert choose_kernel(half) is None and half[0].kernel is None
