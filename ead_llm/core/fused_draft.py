@@ -18,10 +18,10 @@ from torch.nn import functional as F
 from ead_llm.core.fused_llama import (
     FusedLayer,
     Projection,
+    RotaryTable,
     choose_kernel,
     first_kernel,
     rms_norm,
-    signed_sin,
     tune_widths,
 )
 
@@ -41,7 +41,7 @@ class FusedDraft:
         kernel = first_kernel(model)
         self.embedding = model.embed_tokens.weight
         self.fc = Projection(model.fc.weight, None, kernel=kernel)
-        self.rotary = model.rotary_emb
+        self.rotary = RotaryTable(model.rotary_emb)
         self.layers = [FusedLayer(layer, kernel=kernel) for layer in model.layers]
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = Projection(model.head.weight, None, kernel=kernel)
@@ -58,8 +58,7 @@ class FusedDraft:
         """``ids``, ``positions``: [T]; ``features``: [T, hidden], each token's predecessor's; ``keep``: [N] packed
         indices read -> logits [N, V] (model dtype, ``-inf`` outside the head's tokens)."""
         x = self.fc(torch.cat((F.embedding(ids, self.embedding), features.to(self.fc.weight.dtype)), dim=-1))[None]
-        cos, sin = self.rotary(x, positions[None])
-        cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
+        cos, sin = self.rotary(x, positions, batch.length)
         for layer in self.layers:
             x = layer(x, cos, sin, batch)
         out = rms_norm(x, *self.norm)[0]  # [T, hidden]

@@ -403,6 +403,53 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return (x * cos) + (x.roll(x.shape[-1] // 2, -1) * sin_signed)
 
 
+STATIC_ROPE = ("default", "linear", "llama3")
+"""Rope types whose frequencies do not depend on the sequence's length (``dynamic`` and ``longrope`` rescale them as a
+sequence grows: those call the module every pass)."""
+ROTARY_MIN_LENGTH = 512
+"""Positions a rotary table holds at first (it doubles as sequences grow)."""
+
+
+class RotaryTable:
+    """The model's rotary module's cos and :func:`signed_sin` for positions ``0..n-1``, computed by the module itself
+    once per doubling of ``n`` and indexed per pass, instead of calling the module (its decorator, a product, a
+    concatenation and two transcendentals) at every pass of every model. Each angle is one product of a position and
+    a frequency and the rest is elementwise, so the table holds the bits a call gives; that is checked once on a few
+    positions, and a module whose rows disagree (or whose rope type rescales with the length) is called every pass."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.static = getattr(module, "rope_type", "default") in STATIC_ROPE
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, like: torch.Tensor, positions: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin ``[1, 1, T, D]`` of ``positions`` ``[T]`` (all below ``length``), in ``like``'s dtype."""
+        if self.static and (
+            self.cos is None
+            or self.cos.shape[0] < length
+            or self.cos.dtype != like.dtype
+            or self.cos.device != like.device
+        ):
+            self._build(like, max(length, ROTARY_MIN_LENGTH, 2 * (0 if self.cos is None else self.cos.shape[0])))
+        if not self.static or self.cos is None or self.sin is None:
+            cos, sin = self.module(like, positions[None])
+            return cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
+        return self.cos[positions][None, None], self.sin[positions][None, None]
+
+    def _build(self, like: torch.Tensor, length: int) -> None:
+        everywhere = torch.arange(length, device=like.device)
+        cos, sin = self.module(like, everywhere[None])
+        self.cos, self.sin = cos[0], signed_sin(sin[0])
+        probe = torch.tensor([0, 1, 7, length // 2, length - 1], device=like.device)
+        alone = [self.module(like, probe[i : i + 1][None]) for i in range(len(probe))]
+        if not all(
+            torch.equal(c[0, 0], self.cos[p]) and torch.equal(signed_sin(s[0, 0]), self.sin[p])
+            for (c, s), p in zip(alone, probe.tolist(), strict=True)
+        ):
+            self.static, self.cos, self.sin = False, None, None
+
+
 def _fuse(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; the modules keep views of it."""
     weight = torch.cat([linear.weight.detach() for linear in linears])
@@ -472,7 +519,7 @@ class FusedLlama:
         inner = model.model
         kernel = first_kernel(model)
         self.embedding = inner.embed_tokens.weight
-        self.rotary = inner.rotary_emb
+        self.rotary = RotaryTable(inner.rotary_emb)
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
         self.head = Projection(model.lm_head.weight, model.lm_head.bias, kernel=kernel)
         self.layers = [FusedLayer(layer, kernel=kernel) for layer in inner.layers]
@@ -488,8 +535,7 @@ class FusedLlama:
     ) -> torch.Tensor:
         """``ids``, ``positions``: [T]; ``keep``: [N] packed indices read -> logits [N, V] (model dtype)."""
         hidden = F.embedding(ids, self.embedding)[None]  # [1, T, hidden]
-        cos, sin = self.rotary(hidden, positions[None])  # [1, T, D]
-        cos, sin = cos.unsqueeze(1), signed_sin(sin.unsqueeze(1))
+        cos, sin = self.rotary(hidden, positions, batch.length)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin, batch)
         if self.keep_features:

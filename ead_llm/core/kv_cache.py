@@ -439,8 +439,8 @@ class KVCache:
 
     # -- tensors (the model runner) ------------------------------------------------------------------
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]``."""
+    def write(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]`` (or a range of them)."""
         capacity = self.pool.num_blocks * self.block_size
         stored = self.keys[layer]
         if stored is None or stored.shape[1] < capacity:

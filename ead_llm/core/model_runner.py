@@ -186,10 +186,19 @@ class PackedBatch:
     """Rows attended one by one without copies (the others are in ``groups``)."""
     fresh: list[torch.Tensor] = field(default_factory=list)
     """The layer's new keys and values ``[1, Hkv, T, D]`` once written (what rows with no history attend to)."""
+    write_span: slice | None = None
+    """``write_slots`` as a range where they are consecutive (one row's decode token, a prompt in ordered blocks):
+    written as a slice, without an indexed scatter."""
+
+    @property
+    def length(self) -> int:
+        """One past the last position any row reaches in this pass."""
+        return max(start + count for start, count in zip(self.starts, self.counts, strict=True))
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store a layer's new keys/values ``[1, H, T, D]``."""
-        self.cache.write(layer, self.write_slots, keys[0].transpose(0, 1), values[0].transpose(0, 1))
+        where = self.write_span if self.write_span is not None else self.write_slots
+        self.cache.write(layer, where, keys[0].transpose(0, 1), values[0].transpose(0, 1))
         self.fresh[:] = (keys, values)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
@@ -573,6 +582,9 @@ class ModelRunner:
         batch = PackedBatch(
             cache=self.cache,
             write_slots=inputs[2],
+            write_span=slice(slots[0], slots[0] + len(slots))
+            if slots == list(range(slots[0], slots[-1] + 1))
+            else None,
             groups=tuple(groups),
             counts=tuple(counts),
             starts=tuple(row.kv.length for row in ordered),

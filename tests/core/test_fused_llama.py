@@ -19,6 +19,7 @@ from ead_llm.core.fused_llama import (
     PROBE_ROWS,
     TUNED_ROWS,
     Projection,
+    RotaryTable,
     choose_kernel,
     choose_widths,
     first_kernel,
@@ -244,3 +245,51 @@ def test_projections_that_start_on_blas_or_f_linear_are_not_timed(monkeypatch: p
     assert choose_kernel(small) == small[0].kernel
     half = [Projection(torch.randn(16, 8, generator=gen).bfloat16(), None, kernel="onednn")]
     assert choose_kernel(half) is None and half[0].kernel is None
+
+
+class _Rotary(torch.nn.Module):
+    """transformers' LlamaRotaryEmbedding's arithmetic on a given frequency table (``rope_type`` as asked)."""
+
+    def __init__(self, dim: int, rope_type: str = "default", jitter: bool = False) -> None:
+        super().__init__()
+        self.inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        self.rope_type, self.jitter, self.calls = rope_type, jitter, 0
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        freqs = position_ids[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if self.jitter and position_ids.shape[-1] == 1:  # a call alone computes other bits than among many
+            cos = cos * (1 + 2**-20)
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rotary_table_gives_the_modules_bits_at_every_position_and_grows(dtype: torch.dtype) -> None:
+    """Indexing the table equals calling the module on the same positions, bit for bit, for positions spread over a
+    pass and past the table's first length (it doubles), in the model's dtype; one table build per doubling."""
+    module = _Rotary(32)
+    table = RotaryTable(module)
+    like = torch.zeros(1, 1, 8, dtype=dtype)
+    for positions in (torch.tensor([0, 5, 6, 7]), torch.tensor([3]), torch.tensor([511, 1000, 2047, 2048, 2049])):
+        length = int(positions.max()) + 1
+        cos, sin = table(like, positions, length)
+        want_cos, want_sin = module(like, positions[None])
+        assert cos.dtype == dtype and cos.shape == (1, 1, len(positions), 32)
+        assert torch.equal(cos, want_cos.unsqueeze(1)) and torch.equal(sin, signed_sin(want_sin.unsqueeze(1)))
+    assert table.static and table.cos is not None and table.cos.shape[0] >= 2050
+
+
+def test_a_rotary_module_that_rescales_or_disagrees_is_called_every_pass() -> None:
+    """Dynamic rope types change their frequencies with the length, and a module whose single calls give other bits
+    than the table (the check at build) is not tabled: each pass calls the module, as transformers does."""
+    like, positions = torch.zeros(1, 1, 8), torch.tensor([4, 9])
+    for module in (_Rotary(16, rope_type="dynamic"), _Rotary(16, jitter=True)):
+        table = RotaryTable(module)
+        cos, _ = table(like, positions, 10)
+        before = module.calls
+        cos, sin = table(like, positions, 10)
+        assert not table.static and module.calls == before + 1
+        want_cos, want_sin = module(like, positions[None])
+        assert torch.equal(cos, want_cos.unsqueeze(1)) and torch.equal(sin, signed_sin(want_sin.unsqueeze(1)))
