@@ -8,13 +8,16 @@ torch on ``--threads`` threads (1 by default). Each repeat times, in a rotating 
 - speculative decoding with adaptive gamma (and fixed gamma 1, 2 and 3, and gamma 3 with rounds ended after an
   unsure draft, ``stop_entropy``), whose texts must equal LargeOnly's;
 - EASD with adaptive gamma and at gamma 3 (entropy-aware rejection: not lossless by design; how many texts still
-  equal LargeOnly's is printed).
+  equal LargeOnly's is printed);
+- speculative decoding (adaptive, gamma 3) and EASD with siblings: the draft's second choice at each position read
+  in the same verify pass.
 
 Printed: tokens/s of each, each policy's speed-up over LargeOnly (median and min-max over repeats), the
-acceptance rate, the large model's passes per token (the share of tokens it wrote: a round's speed-up is at most
-its inverse), and the draft's cost per token as a ratio of the target's (one decode forward of each through
-the engine's runner at 64 and 256 positions, medians). Transformers' assisted generation cannot run this draft:
-it hands its assistant token ids only, and the draft reads the target's hidden states (printed, not measured).
+acceptance rate, the large model's passes per token (the share of tokens it wrote, less siblings' extra tokens: a
+round's speed-up is at most its inverse), and the draft's cost per token as a ratio of the target's (one decode
+forward of each through the engine's runner at 64 and 256 positions, medians). Transformers' assisted generation
+cannot run this draft: it hands its assistant token ids only, and the draft reads the target's hidden states
+(printed, not measured).
 
     python benchmarks/draft_smollm2.py [--prompts 16] [--max-tokens 128] [--repeats 3] [--json out.json]
         [--only speculative_gamma3 easd ...]
@@ -118,8 +121,11 @@ def main() -> None:
         "speculative_gamma2": SpeculativeDecoding(gamma=2),
         "speculative_gamma3": SpeculativeDecoding(gamma=3),
         "speculative_stop": SpeculativeDecoding(gamma=3, stop_entropy=STOP_ENTROPY),
+        "speculative_adaptive_siblings": SpeculativeDecoding(gamma=4, adaptive_gamma=True, siblings=True, **cost),
+        "speculative_gamma3_siblings": SpeculativeDecoding(gamma=3, siblings=True),
         "easd": EASD(gamma=4, adaptive_gamma=True, **cost),
         "easd_gamma3": EASD(gamma=3),
+        "easd_siblings": EASD(gamma=4, adaptive_gamma=True, siblings=True, **cost),
     }
     known = [*policies, "generate"]
     if args.only is not None:
@@ -181,8 +187,9 @@ def main() -> None:
         for name, outs in outputs.items()
         if name != "large_only"
     }
-    large_share = {
-        name: sum(c.cost.large_tokens for c in outs) / max(1, sum(len(c.token_ids) for c in outs))
+    large_share = {  # a greedy round closes with one large-model token, and a sibling's round with one more
+        name: sum(c.cost.large_tokens - c.cost.extra.get("sibling_tokens", 0) for c in outs)
+        / max(1, sum(len(c.token_ids) for c in outs))
         for name, outs in outputs.items()
     }
     small, large = engine.runners[Role.SMALL], engine.runners[Role.LARGE]

@@ -30,7 +30,7 @@ from ead_llm.core.heap import frozen_heap
 from ead_llm.core.inputs import InputProcessor
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE
 from ead_llm.core.loading import LoadConfig, ModelPair
-from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput
+from ead_llm.core.model_runner import ModelRunner, RunnerOutput
 from ead_llm.core.ops import entropy_bits, top_two
 from ead_llm.core.rejection_sampler import JudgedRounds, verify, verify_batch
 from ead_llm.core.sampler import DeviceResults, SampledRows, Sampler, SamplingMetadata, branch_entropy, to_host
@@ -233,12 +233,7 @@ class Engine(Frontend):
         """One model's pass over its rows: run, sample and verify (one host sync), then each decoder's actions."""
         seqs, reads = plan.seqs, plan.reads
         runner = self.runners[plan.role]
-        out = runner.execute(
-            [
-                PassRow(q.kv[plan.role], q.tokens, r.positions, q.kv[Role.LARGE] if runner.reads_features else None)
-                for q, r in zip(seqs, reads, strict=True)
-            ]
-        )
+        out = runner.execute(plan.rows(with_target=runner.reads_features))
         for i, exc in out.failures.items():
             self.scheduler.fail(seqs[i], exc)
         ok = [i for i in range(len(seqs)) if i in out.work]
@@ -340,6 +335,7 @@ class Engine(Frontend):
                 [rounds[i] for i in part],
                 target if len(part) == len(live) else target[[at[i] for i in part]],
                 gamma,
+                out.sibling_rows(part, gamma),
             )
             return JudgedRounds(part, verify(batch))
 

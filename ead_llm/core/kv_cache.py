@@ -484,6 +484,16 @@ class KVCache:
         v = values.index_select(1, flat).view(heads, batch, length, dim).transpose(0, 1)
         return k, v
 
+    def move(self, seq: SequenceKV, source: int, target: int) -> None:
+        """Copy what position ``source`` of ``seq`` holds (every layer's keys and values, and its features) to
+        position ``target`` (a block ``seq`` wrote this step: its own)."""
+        size = self.block_size
+        slots = [seq.blocks[p // size] * size + p % size for p in (source, target)]
+        for tensors in (self.keys, self.values, self.features):
+            for tensor in tensors:
+                if tensor is not None:
+                    tensor[:, slots[1]] = tensor[:, slots[0]]
+
     def view(self, layer: int, span: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[1, H, L, D]`` of one layer at the consecutive flat slots ``span`` (no copy; each
         head's positions lie together)."""

@@ -273,6 +273,18 @@ def paged_attention(
     return ead_batch.attend(module, query, scaling), None
 
 
+def tree_mask(start: int, end: int, drafts: int, siblings: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, W, L]`` bool: a verify row's new positions ``start..end`` each see the positions up to their own,
+    and sibling ``d`` (the alternative to draft ``d``, the ``drafts`` being the row's last tokens; its keys at slot
+    ``end + d``) sees the positions before its draft's and itself; ``W = end - start + siblings``, ``L = end +
+    siblings``."""
+    keys = torch.arange(end + siblings, device=device)[None, :]
+    chain = keys <= torch.arange(start, end, device=device)[:, None]
+    depth = torch.arange(siblings, device=device)[:, None]
+    leaves = (keys < end - drafts + depth) | (keys == end + depth)
+    return torch.cat((chain, leaves))[None, None]
+
+
 def in_order(blocks: list[int], used: int) -> int | None:
     """The first of a block table's ``used`` first blocks when they are consecutive, else None."""
     first = blocks[0]
@@ -317,6 +329,11 @@ class PassRow:
     a verification of g drafts reads g + 1)."""
     target: SequenceKV | None = None
     """The same sequence in the target's cache, for a draft that reads the target's hidden states."""
+    siblings: tuple[int, ...] = ()
+    """A verify row's :attr:`ead_llm.core.types.Read.siblings`: a token beside each of its first drafts (the last
+    ``read - 1`` tokens), each fed at its draft's position over the tokens before it, its keys written to the slots
+    after the row's end (reserved, then rolled back); the logits after each are read after the row's own. Read only
+    where the row's blocks lie in order (else none are, and :attr:`RunnerOutput.siblings` says so)."""
 
 
 @dataclass
@@ -330,6 +347,8 @@ class RunnerOutput:
     reads: dict[int, int] = field(default_factory=dict)
     work: dict[int, ForwardWork] = field(default_factory=dict)
     failures: dict[int, BaseException] = field(default_factory=dict)
+    siblings: dict[int, int] = field(default_factory=dict)
+    """Row index -> siblings read for it (their logits follow its reads), for rows that asked for some."""
 
     def rows(self, row: int) -> torch.Tensor:
         """``[read, V]`` logits of one row."""
@@ -346,6 +365,18 @@ class RunnerOutput:
         """``[R, width, V]`` logits of each of ``rows``' reads, its last one repeated past its end."""
         index = [[self.start[i] + min(j, self.reads[i] - 1) for j in range(width)] for i in rows]
         return self.logits[upload(index, torch.long, self.logits.device)]
+
+    def sibling_rows(self, rows: list[int], width: int) -> tuple[torch.Tensor, list[int]] | None:
+        """``[R, width, V]`` logits after each of ``rows``' siblings (a row's last read past its siblings), and how
+        many each has; None when none of them has any."""
+        counts = [self.siblings.get(i, 0) for i in rows]
+        if not any(counts):
+            return None
+        index = [
+            [self.start[i] + self.reads[i] + j if j < n else self.start[i] + self.reads[i] - 1 for j in range(width)]
+            for i, n in zip(rows, counts, strict=True)
+        ]
+        return self.logits[upload(index, torch.long, self.logits.device)], counts
 
 
 def check_full_attention(source: str, config: Any) -> None:
@@ -428,36 +459,38 @@ class ModelRunner:
 
     def execute(self, rows: Sequence[PassRow]) -> RunnerOutput:
         """Run ``rows`` in one pass (bisecting on failure); advance each successful row's cache length."""
-        chunks: list[tuple[list[int], torch.Tensor]] = []
+        chunks: list[tuple[list[int], torch.Tensor, list[int]]] = []
         failures: dict[int, BaseException] = {}
         self._execute(rows, list(range(len(rows))), chunks, failures)
         logits = (
-            chunks[0][1] if len(chunks) == 1 else self._empty() if not chunks else torch.cat([c for _, c in chunks])
+            chunks[0][1] if len(chunks) == 1 else self._empty() if not chunks else torch.cat([c for _, c, _ in chunks])
         )
         out = RunnerOutput(logits=logits, failures=failures)
         at = 0
-        for indices, _ in chunks:
-            for i in indices:
+        for indices, _, siblings in chunks:
+            for i, extra in zip(indices, siblings, strict=True):
                 row = rows[i]
                 start, new = row.kv.length, len(row.tokens) - row.kv.length
                 out.start[i], out.reads[i] = at, row.read
+                if row.siblings:
+                    out.siblings[i] = extra
                 recomputed = max(0, min(start + new, row.kv.evicted) - start)
-                out.work[i] = ForwardWork(self.role, new, start, recomputed)
+                out.work[i] = ForwardWork(self.role, new + extra, start, recomputed)  # a sibling is work too
                 row.kv.length += new
                 if row.kv.length >= row.kv.evicted:
                     row.kv.evicted = 0  # all it lost is back
-                at += row.read
+                at += row.read + extra
         return out
 
     def _execute(
         self,
         rows: Sequence[PassRow],
         indices: list[int],
-        chunks: list[tuple[list[int], torch.Tensor]],
+        chunks: list[tuple[list[int], torch.Tensor, list[int]]],
         failures: dict[int, BaseException],
     ) -> None:
         try:
-            chunks.append((indices, self._run([rows[i] for i in indices])))
+            chunks.append((indices, *self._run([rows[i] for i in indices])))
         except Exception as exc:
             if len(indices) == 1:
                 failures[indices[0]] = exc
@@ -472,14 +505,15 @@ class ModelRunner:
     def _empty(self) -> torch.Tensor:
         return torch.empty((0, self.vocab_size), device=self.device)
 
-    def _run(self, rows: Sequence[PassRow]) -> torch.Tensor:
-        """One packed pass; logits ``[N, V]`` (float32) of the read positions, rows in ``rows`` order."""
-        batch, ids, positions, keep, order = self._pack(rows)
+    def _run(self, rows: Sequence[PassRow]) -> tuple[torch.Tensor, list[int]]:
+        """One packed pass; logits ``[N, V]`` (float32) of the read positions, rows in ``rows`` order (each row's
+        reads, then its siblings'), and the siblings read for each row."""
+        batch, ids, positions, keep, order, siblings = self._pack(rows)
         if self._draft is not None:
             features = self._features([rows[i] for i in order], ids.shape[0])
-            return self._draft(ids, positions, keep, batch, features)[:, : self.vocab_size].float()
+            return self._draft(ids, positions, keep, batch, features)[:, : self.vocab_size].float(), siblings
         if self._fused is not None:
-            return self._fused(ids, positions, keep, batch)[:, : self.vocab_size].float()
+            return self._fused(ids, positions, keep, batch)[:, : self.vocab_size].float(), siblings
         out = self.model(
             input_ids=ids[None],
             position_ids=positions[None],
@@ -488,7 +522,7 @@ class ModelRunner:
             use_cache=False,
             ead_batch=batch,
         )
-        return out.logits[0, :, : self.vocab_size].float()
+        return out.logits[0, :, : self.vocab_size].float(), siblings
 
     def _features(self, ordered: list[PassRow], tokens: int) -> torch.Tensor:
         """``[T, hidden]``: the feature each packed token reads (rows in packed order): its predecessor's in the
@@ -518,11 +552,13 @@ class ModelRunner:
                 out[where[0]] = cache.read_features(where[1]).to(out.dtype)
         return out
 
-    def _pack(self, rows: Sequence[PassRow]) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
-        """The packed batch: decode rows first, then multi-token rows; the inputs in that order, the
-        packed indices of the read positions in ``rows`` order, and the rows' indices in packed order. One loop over
-        the rows, O(1) per decode row
-        (this runs every pass, on the thread that launches the forward)."""
+    def _pack(
+        self, rows: Sequence[PassRow]
+    ) -> tuple[PackedBatch, torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """The packed batch: decode rows first, then multi-token rows (each followed by its siblings); the inputs in
+        that order, the packed indices of the read positions in ``rows`` order (a row's siblings' after its reads),
+        the rows' indices in packed order, and the siblings read for each row. One loop over the rows, O(1) per
+        decode row (this runs every pass, on the thread that launches the forward)."""
         decode_rows: list[int] = []
         multi_rows: list[int] = []
         for i, row in enumerate(rows):
@@ -531,6 +567,8 @@ class ModelRunner:
                 raise RuntimeError("the runner was asked for logits with no new token to feed")
             if not 1 <= row.read <= new:
                 raise RuntimeError(f"a row reads {row.read} positions but feeds {new}")
+            if len(row.siblings) >= row.read:
+                raise RuntimeError(f"a row has {len(row.siblings)} siblings for {row.read - 1} drafts")
             (decode_rows if new == 1 else multi_rows).append(i)
         order = decode_rows + multi_rows  # decode rows first, each part in the rows' order
         only = len(order) == 1
@@ -543,7 +581,8 @@ class ModelRunner:
         counts: list[int] = []
         alone: list[RowAttention] = []
         gathered: tuple[list[int], list[int]] = ([], [])  # ordered indices of gathered decode / multi rows
-        ends = [0] * len(rows)  # packed end of each row, in rows order
+        ends = [0] * len(rows)  # packed end of each row's own tokens, in rows order
+        siblings = [0] * len(rows)  # siblings read for each row, in rows order
         at = 0
         for b, i in enumerate(order):
             row = rows[i]
@@ -555,6 +594,11 @@ class ModelRunner:
             counts.append(count)
             # the row's first block when its blocks up to ``end`` lie in order (read in place, slots in a range)
             first = in_order(blocks, self.cache.blocks_for(end)) if count > 1 or only or end >= VIEW_MIN else None
+            extra = 0  # siblings: the row attended alone over its blocks in a few stretches, their keys after its end
+            if row.siblings and start and self._draft is None:
+                used = self.cache.blocks_for(end + len(row.siblings))  # reserved by the scheduler
+                if len(blocks) >= used and stretches(blocks, used, MAX_STRETCHES) is not None:
+                    extra = len(row.siblings)
             if count == 1:
                 ids.append(tokens[start])
                 positions.append(start)
@@ -566,13 +610,19 @@ class ModelRunner:
                     slots.extend(range(first * size + start, first * size + end))
                 else:
                     slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
-            unit = self._alone(row, at, count, first, only=only, blocks_used=self.cache.blocks_for(end))
+            if extra:  # sibling d at draft d's position, its keys at slot end + d
+                drafts = row.read - 1
+                ids.extend(row.siblings)
+                positions.extend(range(end - drafts, end - drafts + extra))
+                slots.extend(blocks[p // size] * size + p % size for p in range(end, end + extra))
+            unit = self._alone(row, at, count, first, only=only, extra=extra)
             if unit is not None:
                 alone.append(unit)
             else:
                 gathered[count > 1].append(b)
-            at += count
-            ends[i] = at
+            ends[i] = at + count
+            siblings[i] = extra
+            at += count + extra
         inputs = upload([ids, positions, slots], torch.long, self.device)  # [3, T]
         groups = [
             self._group([ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=only)
@@ -595,38 +645,43 @@ class ModelRunner:
             keep = [end - 1 for end in ends]
         else:
             keep = []
-            for row, end in zip(rows, ends, strict=True):
-                keep.extend(range(end - row.read, end))
-        return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order
+            for row, end, extra in zip(rows, ends, siblings, strict=True):
+                keep.extend(range(end - row.read, end + extra))
+        return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order, siblings
 
     def _alone(
-        self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool, blocks_used: int
+        self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool, extra: int = 0
     ) -> RowAttention | None:
-        """How ``row`` (whose ``count`` new tokens start at packed ``offset``; ``first``: its first block when its
-        blocks lie in order; ``blocks_used``: the blocks its positions fill) is attended alone without copying its
-        history, if it can be: its history is all new, or it is long (or the only row) and its blocks lie in
-        order or in a few stretches; None: it is gathered with the others."""
+        """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings; ``first``:
+        its first block when its blocks up to its end lie in order) is attended alone without copying its history,
+        if it can be: its history is all new, or it is long (or the only row, or it reads siblings) and its blocks
+        lie in order or in a few stretches; None: it is gathered with the others."""
         start = row.kv.length
         end = start + count
         if start == 0:
             return RowAttention(slice(offset, offset + count), None, None)
-        if not only and end < VIEW_MIN:
+        if not only and not extra and end < VIEW_MIN:
             return None
         size = self.cache.block_size
-        if first is not None:
-            spans: tuple[slice, ...] = (slice(first * size, first * size + end),)
+        reach = end + extra  # the siblings' keys lie after the row's end
+        used = self.cache.blocks_for(reach)
+        whole = in_order(row.kv.blocks, used) if extra else first
+        if whole is not None:
+            spans: tuple[slice, ...] = (slice(whole * size, whole * size + reach),)
         else:
-            runs = stretches(row.kv.blocks, blocks_used, MAX_STRETCHES)
+            runs = stretches(row.kv.blocks, used, MAX_STRETCHES)
             if runs is None:
                 return None
             spans = tuple(slice(block * size, (block + blocks) * size) for block, blocks in runs)
             last = spans[-1]
-            spans = (*spans[:-1], slice(last.start, last.stop - (blocks_used * size - end)))
+            spans = (*spans[:-1], slice(last.start, last.stop - (used * size - reach)))
         mask = None
-        if count > 1:  # each new token sees the positions up to its own
+        if extra:
+            mask = tree_mask(start, end, row.read - 1, extra, self.device)
+        elif count > 1:  # each new token sees the positions up to its own
             key_pos = torch.arange(end, device=self.device)
             mask = (key_pos[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
-        return RowAttention(slice(offset, offset + count), spans, mask)
+        return RowAttention(slice(offset, offset + count + extra), spans, mask)
 
     def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
         """The attention of ``rows`` (whose ``counts`` packed tokens start at ``offsets``); ``whole``: they are

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from ead_llm.core.types import Action, DraftRound, Emit, Read, Role, RoundVerdict, TokenSample
 
 if TYPE_CHECKING:
+    from ead_llm.core.grammar import SequenceGrammar
     from ead_llm.core.request import SamplingParams
 
 
@@ -101,6 +102,8 @@ class SequenceView(Protocol):
     generated: int
     max_length: int
     """Most positions the sequence may reach (prompt + max_tokens, within the context)."""
+    params: SamplingParams
+    grammar: SequenceGrammar | None
 
     def is_end(self, token: int) -> bool:
         """Whether ``token`` ends the text (EOS, unless the request ignores it)."""

@@ -16,6 +16,10 @@ The round's last token is drawn at the first rejected position from ``norm(max(0
 (speculative), from ``p`` without the draft (EASD's rejection; greedy: the best other token), or
 from ``p`` (oracle; the bonus after a clean sweep); an oracle round whose drafts all stand ends
 without one. Uniforms come from :func:`ead_llm.core.sampler.uniforms`, keyed by position.
+
+Siblings (greedy rounds, :attr:`ead_llm.core.types.Read.siblings`): when a draft is rejected by the greedy rule and
+the sibling read at its position is the large model's own token there (the round's last token), the large model's
+argmax after that sibling, read in the same pass, closes the round too (``extra``).
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ class VerifyBatch:
     """[R] float32."""
     oracle: torch.Tensor
     """[R] bool."""
+    sibling_tokens: torch.Tensor | None = None
+    """[R, G] int64 the token read beside each draft (padding past ``sibling_count`` is ignored)."""
+    sibling_count: torch.Tensor | None = None
+    """[R] int64 siblings read for each round (0: none)."""
+    sibling_logits: torch.Tensor | None = None
+    """[R, G, V] the large model's raw logits after each sibling."""
     max_top_k: int = 0
     """Largest top-k of a sampled row."""
     any_top_p: bool = False
@@ -94,6 +104,10 @@ class VerifyOutput:
     """[R] int64: 1 when the round ended on an entropy-aware rejection."""
     target_entropy: torch.Tensor
     """[R, G + 1] float32 bits of the large model's raw logits at each position."""
+    extra: torch.Tensor
+    """[R] int64 the large model's token after the closing one, read at the sibling that is that token; -1: none."""
+    extra_entropy: torch.Tensor
+    """[R] float32 bits of the logits ``extra`` was read from (0 where none)."""
 
 
 def top_n_overlap(a: torch.Tensor, b: torch.Tensor, top_n: torch.Tensor, largest: int) -> torch.Tensor:
@@ -184,12 +198,32 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
     # an oracle round whose drafts all stand ends with them: whether the models agree next is not known yet
     no_token = batch.oracle & ~rejected & (batch.num_drafts > 0)
     token = torch.where(no_token, -1, token)
+    extra, extra_entropy = _sibling_extra(batch, accepted, rejected & greedy[:, 0] & ~by_entropy & ~batch.oracle, token)
     return VerifyOutput(
         accepted=accepted,
         token=token,
         entropy_rejection=by_entropy.to(torch.int64),
         target_entropy=target_entropy,
+        extra=extra,
+        extra_entropy=extra_entropy,
     )
+
+
+def _sibling_extra(
+    batch: VerifyBatch, accepted: torch.Tensor, judged: torch.Tensor, token: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The round's extra token and its bits ``[R]`` each: where ``judged`` (a greedy rejection at ``accepted``) and
+    the sibling read there is the closing ``token``, the large model's argmax after it; else -1 and 0."""
+    rounds = accepted.shape[0]
+    none = torch.full((rounds,), -1, dtype=torch.long, device=accepted.device)
+    zero = torch.zeros(rounds, dtype=torch.float32, device=accepted.device)
+    if batch.sibling_logits is None or batch.sibling_tokens is None or batch.sibling_count is None:
+        return none, zero
+    at = accepted.clamp(max=batch.sibling_tokens.shape[1] - 1)[:, None]  # [R, 1]
+    read = judged & (accepted < batch.sibling_count) & (batch.sibling_tokens.gather(1, at).squeeze(1) == token)
+    vocab = batch.sibling_logits.shape[-1]
+    after = batch.sibling_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
+    return torch.where(read, torch.argmax(after, dim=-1), none), torch.where(read, entropy_bits(after), zero)
 
 
 def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
@@ -207,10 +241,16 @@ def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) 
 
 
 def verify_batch(
-    params: list[SamplingParams], keys: list[int], rounds: list[DraftRound], target: torch.Tensor, gamma: int
+    params: list[SamplingParams],
+    keys: list[int],
+    rounds: list[DraftRound],
+    target: torch.Tensor,
+    gamma: int,
+    siblings: tuple[torch.Tensor, list[int]] | None = None,
 ) -> VerifyBatch:
     """The input of :func:`verify` for ``rounds`` (each sequence's sampling ``params`` and sample-stream ``keys``),
-    padded to ``gamma`` drafts, with the large model's logits ``target`` ``[R, G+1, V]``."""
+    padded to ``gamma`` drafts, with the large model's logits ``target`` ``[R, G+1, V]`` and, where the pass read
+    siblings, the logits after them ``[R, G, V]`` and how many each round had read."""
     vocab, device = target.shape[-1], target.device
     filler = torch.zeros(vocab, device=device)
     draft_logits = (
@@ -242,6 +282,13 @@ def verify_batch(
         top_n=column([r.top_n for r in rounds], torch.long),
         overlap_threshold=column([r.overlap_threshold for r in rounds], torch.float32),
         oracle=column([r.oracle for r in rounds], torch.bool),
+        sibling_tokens=None
+        if siblings is None
+        else column(padded([r.siblings[:n] for r, n in zip(rounds, siblings[1], strict=True)], 0), torch.long).reshape(
+            len(rounds), gamma
+        ),
+        sibling_count=None if siblings is None else column(siblings[1], torch.long),
+        sibling_logits=None if siblings is None else siblings[0],
         max_top_k=max((p.top_k for p in sampled), default=0),
         any_top_p=any(p.top_p < 1.0 for p in sampled),
         max_top_n=max((r.top_n for r in entropy_rule), default=1),
@@ -260,11 +307,11 @@ class JudgedRounds:
 
     def columns(self) -> list[torch.Tensor]:
         v = self.verdict
-        return [v.accepted, v.token, v.entropy_rejection, v.target_entropy]
+        return [v.accepted, v.token, v.entropy_rejection, v.target_entropy, v.extra, v.extra_entropy]
 
     def results(self, host: list[list[float]]) -> list[tuple[int, RoundVerdict]]:
         """Each row's :class:`RoundVerdict`, from :meth:`columns` on the host."""
-        accepted, token, rejected, entropy = host
+        accepted, token, rejected, entropy, extra, extra_entropy = host
         width = self.verdict.target_entropy.shape[1]
         return [
             (
@@ -274,6 +321,8 @@ class JudgedRounds:
                     token=None if token[j] < 0 else int(token[j]),
                     entropy_rejection=bool(rejected[j]),
                     target_entropy=tuple(entropy[j * width : (j + 1) * width]),
+                    extra=None if extra[j] < 0 else int(extra[j]),
+                    extra_entropy=extra_entropy[j],
                 ),
             )
             for j, row in enumerate(self.rows)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ead_llm.core.kv_cache import KVCache, OutOfBlocks, SequenceKV
+from ead_llm.core.model_runner import PassRow
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.policy import Decoder
 from ead_llm.core.request import SamplingParams
@@ -154,6 +155,14 @@ class PassPlan:
     seqs: list[Sequence]
     reads: list[Read]
 
+    def rows(self, *, with_target: bool) -> list[PassRow]:
+        """The runner's rows (``with_target``: each with its sequence in the large model's cache, for a draft that
+        reads the target's hidden states)."""
+        return [
+            PassRow(q.kv[self.role], q.tokens, r.positions, q.kv[Role.LARGE] if with_target else None, r.siblings)
+            for q, r in zip(self.seqs, self.reads, strict=True)
+        ]
+
 
 @dataclass(frozen=True)
 class SchedulerOutput:
@@ -259,7 +268,7 @@ class Scheduler:
         for seq, read in reads:
             if seq.finished or (self.preemptions != preempted and seq not in self.running):
                 continue
-            if self._reserve(seq, read.role):
+            if self._reserve(seq, read.role, len(read.siblings)):
                 passes.setdefault(read.role, []).append((seq, read))
         if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
             passes = {role: [(s, r) for s, r in rows if s in self.running] for role, rows in passes.items()}
@@ -281,13 +290,14 @@ class Scheduler:
         ]
         return SchedulerOutput(plans)
 
-    def _reserve(self, seq: Sequence, role: Role) -> bool:
-        """Blocks for ``seq``'s tokens in ``role``'s cache, preempting newer sequences while it lacks
-        them; False when ``seq`` itself had to give way."""
+    def _reserve(self, seq: Sequence, role: Role, scratch: int = 0) -> bool:
+        """Blocks for ``seq``'s tokens in ``role``'s cache (and ``scratch`` positions after them, where a verify
+        pass writes the keys of its siblings), preempting newer sequences while it lacks them; False when ``seq``
+        itself had to give way."""
         cache = self.caches[role]
         while True:
             try:
-                cache.reserve(seq.kv[role], len(seq.tokens), seq.max_length)
+                cache.reserve(seq.kv[role], len(seq.tokens) + scratch, seq.max_length)
                 return True
             except OutOfBlocks:
                 victim = max(self.running, key=lambda s: s.admitted)
@@ -324,6 +334,8 @@ class Scheduler:
                 if seq.grammar is not None:
                     seq.grammar.rollback_to(action.keep)
                 del seq.tokens[action.keep :]
+                for role, source, target in action.moves:
+                    self.caches[role].move(seq.kv[role], source, target)
                 for role, seen in action.seen:
                     self.caches[role].truncate(seq.kv[role], seen)
             elif isinstance(action, Fork):

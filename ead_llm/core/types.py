@@ -161,6 +161,9 @@ class Rollback:
 
     keep: int
     seen: tuple[tuple[Role, int], ...]
+    moves: tuple[tuple[Role, int, int], ...] = ()
+    """``(role, from, to)``: positions whose cached keys and values (and features) move first: a sibling read after
+    the row's end, to the position its token now holds."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,10 @@ class Read:
     role: Role
     verify: bool = False
     drafts: int = 0
+    siblings: tuple[int, ...] = ()
+    """With ``verify``: another token for each of the first drafts (the draft model's second choice), each read in
+    the same pass at its draft's position over the tokens before it (a tree of one chain and its leaves); the pass
+    returns the large model's logits after each, when it can attend to them (see :class:`RoundVerdict.extra`)."""
 
     @property
     def positions(self) -> int:
@@ -222,6 +229,11 @@ class RoundVerdict:
     entropy_rejection: bool
     target_entropy: tuple[float, ...]
     """Bits of the large model's logits at each verified position."""
+    extra: int | None = None
+    """Greedy rounds with siblings: when the closing ``token`` is the sibling read at its position, the large
+    model's next token after it (read at that sibling), which the round emits too; None otherwise."""
+    extra_entropy: float = 0.0
+    """Bits of the large model's logits ``extra`` was read from."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +246,8 @@ class DraftRound:
     entropies: tuple[float, ...]
     first_position: int
     """Position of the first draft in the sequence."""
+    siblings: tuple[int, ...] = ()
+    """The tokens read beside the first drafts (:attr:`Read.siblings`)."""
     entropy_threshold: float = math.inf
     top_n: int = 1
     overlap_threshold: float = 1.0

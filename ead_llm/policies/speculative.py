@@ -98,6 +98,13 @@ class SpeculativeDecoding(Policy):
     """End a round early after a draft drawn from a distribution of more than this entropy (bits, the small model's
     raw logits): a draft the small model is unsure of is the likeliest to be rejected, and the drafts after it fall
     with it (inf: never; the output is lossless either way)."""
+    siblings: bool = False
+    """Greedy rows without a grammar: verify the small model's second choice at every drafted position beside its
+    first, in the same pass (a tree of the chain and one leaf per position, each leaf attending to the tokens before
+    its position). When a draft falls and the large model's own token there is that second choice, the large model's
+    token after it was read at the leaf, so the round emits one more token: a round that would close with a
+    correction closes with two. Lossless (every token is still the large model's argmax); the verify pass reads
+    ``2 * gamma + 1`` positions instead of ``gamma + 1``."""
 
     def __post_init__(self) -> None:
         check_int("gamma", self.gamma, minimum=1)
@@ -106,6 +113,8 @@ class SpeculativeDecoding(Policy):
         check_float("stop_entropy", self.stop_entropy, minimum=0.0, allow_inf=True)
         if not isinstance(self.adaptive_gamma, bool):
             raise ValueError(f"adaptive_gamma must be a bool, got {self.adaptive_gamma!r}")
+        if not isinstance(self.siblings, bool):
+            raise ValueError(f"siblings must be a bool, got {self.siblings!r}")
 
     def start(self) -> SpecState:
         return SpecState(gamma=self.gamma, next_gamma=self.gamma)
@@ -136,7 +145,8 @@ class SpeculativeDecoding(Policy):
         return SpecState(gamma=gamma, drafted=0, next_gamma=gamma, stood=stood, judged=judged)
 
     def counters(self) -> tuple[str, ...]:
-        return ("drafted_tokens", "accepted_tokens", "entropy_rejections")
+        siblings = ("sibling_tokens",) if self.siblings else ()
+        return ("drafted_tokens", "accepted_tokens", "entropy_rejections", *siblings)
 
     def rejection_settings(self) -> dict[str, Any]:
         """How the rejection sampler judges this policy's drafts (beyond speculative sampling's rule)."""
@@ -188,6 +198,9 @@ class DraftVerifyDecoder(Decoder):
         self.policy, self.state = policy, state
         self.drafts: list[tuple[int, torch.Tensor, float]] = []
         """This round's drafts: token, the small model's raw logits it was drawn from, their entropy."""
+        self.seconds: list[int] = []
+        """With siblings: the small model's second choice at each draft's position."""
+        self.branch_stats = policy.siblings  # type: ignore[misc]  # the top two of each draft, for its sibling
 
     def read(self, seq: SequenceView) -> Read:
         if not self.drafts:
@@ -195,11 +208,21 @@ class DraftVerifyDecoder(Decoder):
             self.state = self.policy.begin_round(self.state, room)
         if self.policy.choose(self.state) is Role.SMALL:
             return Read(Role.SMALL)
-        return Read(Role.LARGE, verify=True, drafts=len(self.drafts))
+        return Read(Role.LARGE, verify=True, drafts=len(self.drafts), siblings=self._siblings(seq))
+
+    def _siblings(self, seq: SequenceView) -> tuple[int, ...]:
+        """The second choices to verify beside the drafts: greedy rows without a grammar only (the check is the
+        large model's argmax), and not past an end-of-text draft."""
+        if not self.seconds or seq.params.temperature > 0 or seq.grammar is not None:
+            return ()
+        return tuple(self.seconds[: len(self.drafts)])
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
         self.state = self.policy.advance(self.state, sample.role, sample.entropy)
         self.drafts.append((sample.token, sample.logits, sample.entropy))
+        if sample.top2 is not None:
+            first, second = sample.top2
+            self.seconds.append(second if first == sample.token else first)
         if seq.is_end(sample.token):  # nothing after an end-of-text draft could be kept
             self.state = self.policy.cut_round(self.state)
         return [Draft(sample.token)]
@@ -211,6 +234,7 @@ class DraftVerifyDecoder(Decoder):
             logits=tuple(logits),
             entropies=tuple(entropies),
             first_position=len(seq.tokens) - len(self.drafts),
+            siblings=self._siblings(seq),
             **self.policy.rejection_settings(),
         )
 
@@ -218,16 +242,22 @@ class DraftVerifyDecoder(Decoder):
         drafted, accepted = len(self.drafts), verdict.accepted
         prefix = len(seq.tokens) - drafted
         large_seen = prefix + accepted - (1 if verdict.token is None else 0)
-        rollback = Rollback(keep=prefix, seen=((Role.LARGE, large_seen), (Role.SMALL, prefix + accepted)))
+        moves: tuple[tuple[Role, int, int], ...] = ()
+        if verdict.extra is not None:  # the sibling read after the row's end is the closing token: its keys stand
+            moves, large_seen = ((Role.LARGE, len(seq.tokens) + accepted, large_seen),), large_seen + 1
+        rollback = Rollback(prefix, ((Role.LARGE, large_seen), (Role.SMALL, prefix + accepted)), moves)
         self.state = self.policy.end_round(self.state, drafted, accepted)
         emitted = [Emit(token, Role.SMALL, entropy) for token, _, entropy in self.drafts[:accepted]]
         if verdict.token is not None:
             emitted.append(Emit(verdict.token, Role.LARGE, verdict.target_entropy[accepted]))
-        self.drafts = []
+        if verdict.extra is not None:  # read at the sibling that matched the closing token
+            emitted.append(Emit(verdict.extra, Role.LARGE, verdict.extra_entropy))
+        self.drafts, self.seconds = [], []
         counters = (
             ("drafted_tokens", drafted),
             ("accepted_tokens", accepted),
             ("entropy_rejections", int(verdict.entropy_rejection)),
+            *((("sibling_tokens", int(verdict.extra is not None)),) if self.policy.siblings else ()),
         )
         if emitted:
             emitted[0] = replace(emitted[0], counters=counters)
@@ -235,5 +265,5 @@ class DraftVerifyDecoder(Decoder):
 
     def on_preempt(self, seq: SequenceView) -> int:
         keep = len(seq.tokens) - len(self.drafts)
-        self.drafts = []  # the round starts again once the sequence is back
+        self.drafts, self.seconds = [], []  # the round starts again once the sequence is back
         return keep

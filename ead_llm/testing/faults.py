@@ -57,7 +57,7 @@ def fail_passes(
     log = FaultLog()
     original = runner._run
 
-    def faulty(rows: Sequence[PassRow]) -> torch.Tensor:
+    def faulty(rows: Sequence[PassRow]) -> tuple[torch.Tensor, list[int]]:
         for row in rows:
             if when is None or when(list(row.tokens)):
                 log.raised += 1
