@@ -332,8 +332,9 @@ class PassRow:
     siblings: tuple[int, ...] = ()
     """A verify row's :attr:`ead_llm.core.types.Read.siblings`: a token beside each of its first drafts (the last
     ``read - 1`` tokens), each fed at its draft's position over the tokens before it, its keys written to the slots
-    after the row's end (reserved, then rolled back); the logits after each are read after the row's own. Read only
-    where the row's blocks lie in order (else none are, and :attr:`RunnerOutput.siblings` says so)."""
+    after the row's end (reserved by the scheduler, rolled back after the verdict); the logits after each are read
+    after the row's own. Read only where those slots are reserved and the row's blocks lie in order or in at most
+    :data:`MAX_STRETCHES` stretches (else none are, and :attr:`RunnerOutput.siblings` says so)."""
 
 
 @dataclass
