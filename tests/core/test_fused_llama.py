@@ -293,3 +293,45 @@ def test_a_rotary_module_that_rescales_or_disagrees_is_called_every_pass() -> No
         assert not table.static and module.calls == before + 1
         want_cos, want_sin = module(like, positions[None])
         assert torch.equal(cos, want_cos.unsqueeze(1)) and torch.equal(sin, signed_sin(want_sin.unsqueeze(1)))
+
+
+_CHOOSE_IN_A_PROCESS = """
+import hashlib, sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from ead_llm.core.fused_llama import FusedLlama
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=8)
+model = LlamaForCausalLM(config).eval()  # 14 MB of float32 weights: both kernels are candidates
+fused = FusedLlama(model)
+x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+with torch.inference_mode():
+    out = torch.cat([p(x).flatten() for p in fused.projections if p.weight.shape[1] == 256])
+print(fused.head.kernel, hashlib.sha256(out.numpy().tobytes()).hexdigest())
+"""
+
+
+def test_processes_on_one_machine_take_the_kernel_the_first_one_timed_and_compute_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Two processes load the same model: the first times both kernels and records its choice, the second takes the
+    record (whatever its own timing would say) and computes the same bits; a process that finds another record
+    (another choice for this machine) follows it. Real timing, real processes."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+
+    def run() -> tuple[str, str]:
+        done = subprocess.run([sys.executable, "-c", _CHOOSE_IN_A_PROCESS], capture_output=True, text=True, check=True)
+        kernel, digest = done.stdout.split()
+        return kernel, digest
+
+    first = run()
+    record = json.loads(kernel_record().read_text())
+    assert [entry["kernel"] for entry in record.values()] == [first[0]] and first[0] in KERNELS
+    assert run() == first
+    usable = [k for k in AVAILABLE if Projection(torch.randn(768, 256), None, kernel=k).kernel == k]
+    for other in (k for k in usable if k != first[0]):  # where this machine has a second kernel to record
+        kernel_record().write_text(json.dumps({key: {"kernel": other} for key in record}))
+        assert run()[0] == other
