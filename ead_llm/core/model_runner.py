@@ -285,6 +285,15 @@ def tree_mask(start: int, end: int, drafts: int, siblings: int, device: torch.de
     return torch.cat((chain, leaves))[None, None]
 
 
+def consecutive(slots: list[int]) -> slice | None:
+    """``slots`` as a range when they are consecutive and increasing (checked by their ends first: a pass's slots
+    may span the whole cache), else None."""
+    first = slots[0]
+    if slots[-1] - first != len(slots) - 1 or slots != list(range(first, first + len(slots))):
+        return None
+    return slice(first, first + len(slots))
+
+
 def in_order(blocks: list[int], used: int) -> int | None:
     """The first of a block table's ``used`` first blocks when they are consecutive, else None."""
     first = blocks[0]
@@ -633,9 +642,7 @@ class ModelRunner:
         batch = PackedBatch(
             cache=self.cache,
             write_slots=inputs[2],
-            write_span=slice(slots[0], slots[0] + len(slots))
-            if slots == list(range(slots[0], slots[-1] + 1))
-            else None,
+            write_span=consecutive(slots),
             groups=tuple(groups),
             counts=tuple(counts),
             starts=tuple(row.kv.length for row in ordered),

@@ -192,3 +192,11 @@ def test_a_decode_query_over_views_and_stretches(heads: tuple[int, int], dtype: 
         )
         assert got.shape == want.shape == (1, query_heads, 1, 64) and got.dtype == dtype
         assert torch.allclose(got.float(), want.float(), atol=tol), (spans, (got - want).abs().max())
+
+
+def test_a_pass_writes_its_slots_as_a_range_only_where_they_are_consecutive() -> None:
+    assert model_runner.consecutive([7]) == slice(7, 8)
+    assert model_runner.consecutive([4, 5, 6, 7]) == slice(4, 8)
+    assert model_runner.consecutive([4, 6, 5, 7]) is None  # the ends match, the order does not
+    assert model_runner.consecutive([4, 5, 9]) is None
+    assert model_runner.consecutive([9, 5]) is None
