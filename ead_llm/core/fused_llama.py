@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ead_llm.core.sources import cache_dir
+
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
 
@@ -322,7 +324,7 @@ def cpu_name() -> str:
 def kernel_record() -> Path:
     """Where the kernels chosen on this machine are kept: ``linear_kernels.json`` in ``$EAD_LLM_CACHE`` or
     ``~/.cache/ead-llm``."""
-    return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm")) / "linear_kernels.json"
+    return cache_dir() / "linear_kernels.json"
 
 
 _RECORD_LOCK = threading.Lock()

@@ -14,6 +14,12 @@ PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "AL
 RESOLVE_TIMEOUT_S = 3.0
 
 
+def cache_dir() -> Path:
+    """ead-llm's own cache on this machine (converted models, kernels chosen): ``$EAD_LLM_CACHE`` or
+    ``~/.cache/ead-llm``."""
+    return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm"))
+
+
 def model_source(name: str, value: Any) -> str:
     """A model's Hugging Face id or local folder as text (a ``pathlib.Path`` or other path-like is taken, as
     ``from_pretrained`` takes it); a clear error for anything else."""

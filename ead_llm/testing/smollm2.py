@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -29,14 +28,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from ead_llm.core.sources import cache_dir
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FULL = "smollm2-135m-instruct"
 """Folder name of the converted model in the cache."""
 DRAFT_LAYERS = 8
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm"))
 
 
 _held = threading.local()
