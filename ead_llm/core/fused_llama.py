@@ -288,19 +288,21 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
         return projections[0].kernel if projections else None
     key = kernel_key(prepared)
     chosen = _recorded_kernel(key)
+    timed: dict[str, dict[int, float]] = {}
     if chosen is None:
-        costs = {}
         for kernel in KERNELS:
-            if all(p.use(kernel) for p in prepared):
-                costs[kernel] = kernel_cost(_time_rows(prepared, repeats))
-            else:
+            if not all(p.use(kernel) for p in prepared):
                 break
+            timed[kernel] = _time_rows(prepared, repeats)
+        costs = {k: kernel_cost(seconds) for k, seconds in timed.items()}
         chosen = min(costs, key=lambda k: costs[k])
         chosen = _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
     if not all(p.use(chosen) for p in prepared):  # a record from another build whose BLAS now differs per row
         for p in prepared:
             p.use("onednn")
         return "onednn"
+    if chosen in timed:  # its widths are timed already: tune_widths takes them
+        _TUNED[(torch.get_num_threads(), repeats, *_shapes(prepared))] = choose_widths(timed[chosen])
     return chosen
 
 

@@ -211,6 +211,7 @@ def test_the_kernel_is_timed_once_per_machine_and_kept_so_every_process_computes
     takes the record whatever its own timing says, so the same seed keeps giving the same text; without the record
     the timing decides again."""
     monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})  # the stand-in timings' widths stay in this test
     blas_allowed = Projection(torch.randn(96, 48), None, kernel="blas").kernel == "blas"
     monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("blas"))
     first = _onednn_projections(1)
@@ -232,6 +233,7 @@ def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
     monkeypatch.setenv("EAD_LLM_CACHE", str(blocker))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
     monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("onednn"))
     assert choose_kernel(_onednn_projections(4)) == "onednn"
     assert not kernel_record().exists()
@@ -335,3 +337,21 @@ def test_processes_on_one_machine_take_the_kernel_the_first_one_timed_and_comput
     for other in (k for k in usable if k != first[0]):  # where this machine has a second kernel to record
         kernel_record().write_text(json.dumps({key: {"kernel": other} for key in record}))
         assert run()[0] == other
+
+
+def test_the_kernel_chosen_by_timing_hands_its_widths_to_the_tuning_without_timing_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Where a model's kernel was timed at load, the widths come from that timing: the products are not timed a
+    second time for them."""
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    calls: list[str | None] = []
+    seconds = {1: 4.0, 2: 2.0, **dict.fromkeys(range(3, TUNED_ROWS + 1), 3.0)}  # one row runs fastest as two
+    monkeypatch.setattr(fused_llama, "_time_rows", lambda packed, repeats: calls.append(packed[0].kernel) or seconds)
+    projections = _onednn_projections(6)
+    chosen = choose_kernel(projections)
+    timed = len(calls)
+    assert timed == len(AVAILABLE) or chosen == "onednn"
+    assert tune_widths(projections) == choose_widths(seconds) and len(calls) == timed
+    assert all(p.widths == choose_widths(seconds) for p in projections)
