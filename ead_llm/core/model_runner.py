@@ -274,12 +274,14 @@ def paged_attention(
 
 
 def tree_mask(start: int, end: int, drafts: int, siblings: int, device: torch.device) -> torch.Tensor:
-    """``[1, 1, W, L]`` bool: a verify row's new positions ``start..end`` each see the positions up to their own,
+    """``[1, 1, W, L]`` bool: a row's new positions ``start..end`` each see the positions up to their own,
     and sibling ``d`` (the alternative to draft ``d``, the ``drafts`` being the row's last tokens; its keys at slot
     ``end + d``) sees the positions before its draft's and itself; ``W = end - start + siblings``, ``L = end +
     siblings``."""
     keys = torch.arange(end + siblings, device=device)[None, :]
     chain = keys <= torch.arange(start, end, device=device)[:, None]
+    if not siblings:  # any row of several new tokens
+        return chain[None, None]
     depth = torch.arange(siblings, device=device)[:, None]
     leaves = (keys < end - drafts + depth) | (keys == end + depth)
     return torch.cat((chain, leaves))[None, None]
@@ -683,12 +685,8 @@ class ModelRunner:
             spans = tuple(slice(block * size, (block + blocks) * size) for block, blocks in runs)
             last = spans[-1]
             spans = (*spans[:-1], slice(last.start, last.stop - (used * size - reach)))
-        mask = None
-        if extra:
-            mask = tree_mask(start, end, row.read - 1, extra, self.device)
-        elif count > 1:  # each new token sees the positions up to its own
-            key_pos = torch.arange(end, device=self.device)
-            mask = (key_pos[None, :] <= torch.arange(start, end, device=self.device)[:, None])[None, None]
+        # each new token sees the positions up to its own (and each sibling those before its draft's, and itself)
+        mask = tree_mask(start, end, row.read - 1, extra, self.device) if count > 1 or extra else None
         return RowAttention(slice(offset, offset + count + extra), spans, mask)
 
     def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
