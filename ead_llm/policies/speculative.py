@@ -211,8 +211,8 @@ class DraftVerifyDecoder(Decoder):
         return Read(Role.LARGE, verify=True, drafts=len(self.drafts), siblings=self._siblings(seq))
 
     def _siblings(self, seq: SequenceView) -> tuple[int, ...]:
-        """The second choices to verify beside the drafts: greedy rows without a grammar only (the check is the
-        large model's argmax), and not past an end-of-text draft."""
+        """The second choices to verify beside the drafts (one per draft made, an end-of-text draft's included):
+        greedy rows without a grammar only (the check is the large model's argmax)."""
         if not self.seconds or seq.params.temperature > 0 or seq.grammar is not None:
             return ()
         return tuple(self.seconds[: len(self.drafts)])
