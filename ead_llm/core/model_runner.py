@@ -288,12 +288,10 @@ def tree_mask(start: int, end: int, drafts: int, siblings: int, device: torch.de
 
 
 def consecutive(slots: list[int]) -> slice | None:
-    """``slots`` as a range when they are consecutive and increasing (checked by their ends first: a pass's slots
-    may span the whole cache), else None."""
-    first = slots[0]
-    if slots[-1] - first != len(slots) - 1 or slots != list(range(first, first + len(slots))):
-        return None
-    return slice(first, first + len(slots))
+    """``slots`` as a range when they are consecutive and increasing (:func:`in_order` checks their ends first: a
+    pass's slots may span the whole cache), else None."""
+    first = in_order(slots, len(slots))
+    return None if first is None else slice(first, first + len(slots))
 
 
 def in_order(blocks: list[int], used: int) -> int | None:
