@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ead_llm.core.sources import cache_dir
+from ead_llm.core.sources import cache_dir, cache_lock
 
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
@@ -290,13 +290,18 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
     chosen = _recorded_kernel(key)
     timed: dict[str, dict[int, float]] = {}
     if chosen is None:
-        for kernel in KERNELS:
-            if not all(p.use(kernel) for p in prepared):
-                break
-            timed[kernel] = _time_rows(prepared, repeats)
-        costs = {k: kernel_cost(seconds) for k, seconds in timed.items()}
-        chosen = min(costs, key=lambda k: costs[k])
-        chosen = _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
+        # one process times at a time: one that waited takes the record the first wrote, and timings of two
+        # processes do not share the CPU
+        with _RECORD_LOCK, cache_lock(KERNEL_LOCK):
+            chosen = _recorded_kernel(key)
+            if chosen is None:
+                for kernel in KERNELS:
+                    if not all(p.use(kernel) for p in prepared):
+                        break
+                    timed[kernel] = _time_rows(prepared, repeats)
+                costs = {k: kernel_cost(seconds) for k, seconds in timed.items()}
+                chosen = min(costs, key=lambda k: costs[k])
+                _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
     if not all(p.use(chosen) for p in prepared):  # a record from another build whose BLAS now differs per row
         for p in prepared:
             p.use("onednn")
@@ -330,6 +335,8 @@ def kernel_record() -> Path:
 
 
 _RECORD_LOCK = threading.Lock()
+KERNEL_LOCK = ".linear_kernels.lock"
+"""The file in :func:`ead_llm.core.sources.cache_dir` that one process at a time holds to choose and record."""
 
 
 def _read_record() -> dict[str, Any]:
@@ -346,24 +353,20 @@ def _recorded_kernel(key: str) -> str | None:
     return kernel if kernel in KERNELS else None
 
 
-def _record_kernel(key: str, kernel: str, costs: dict[str, float]) -> str:
-    """Keep ``kernel`` for ``key`` unless another process kept one first (then that one); the file is replaced
-    whole (never seen half written). A machine where it cannot be written keeps the choice for this process."""
-    with _RECORD_LOCK:
-        record = _read_record()
-        earlier = record.get(key)
-        if isinstance(earlier, dict) and earlier.get("kernel") in KERNELS:
-            return str(earlier["kernel"])
-        record[key] = {"kernel": kernel, "ms_per_pass_products": costs}
-        path = kernel_record()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            scratch = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
-            scratch.write_text(json.dumps(record, indent=1, sort_keys=True))
-            os.replace(scratch, path)
-        except OSError:
-            pass
-        return kernel
+def _record_kernel(key: str, kernel: str, costs: dict[str, float]) -> None:
+    """Add ``kernel`` for ``key`` to the record (the caller holds :data:`KERNEL_LOCK`, so no other process writes
+    between this read and write); the file is replaced whole, never seen half written. A machine where it cannot be
+    written keeps the choice for this process."""
+    record = _read_record()
+    record[key] = {"kernel": kernel, "ms_per_pass_products": costs}
+    path = kernel_record()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+        scratch.write_text(json.dumps(record, indent=1, sort_keys=True))
+        os.replace(scratch, path)
+    except OSError:
+        pass
 
 
 def supports(model: Any) -> bool:

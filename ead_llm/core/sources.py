@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,6 +20,27 @@ def cache_dir() -> Path:
     """ead-llm's own cache on this machine (converted models, kernels chosen): ``$EAD_LLM_CACHE`` or
     ``~/.cache/ead-llm``."""
     return Path(os.environ.get("EAD_LLM_CACHE", Path.home() / ".cache" / "ead-llm"))
+
+
+@contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """Hold ``name`` in :func:`cache_dir` as an exclusive lock across processes (parallel test workers, jobs, an
+    engine per process) until the block ends. Not re-entrant. Where there is no ``fcntl`` (not POSIX) or the folder
+    cannot be made, nothing is locked and the block runs as it is."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        handle = (cache_dir() / name).open("w")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def model_source(name: str, value: Any) -> str:

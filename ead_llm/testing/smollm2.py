@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ead_llm.core.sources import cache_dir
+from ead_llm.core.sources import cache_dir, cache_lock
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FULL = "smollm2-135m-instruct"
@@ -51,14 +51,7 @@ def _conversion_lock() -> Iterator[None]:
         finally:
             _held.depth -= 1
         return
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    cache_dir().mkdir(parents=True, exist_ok=True)
-    with (cache_dir() / ".convert.lock").open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # released when the file closes
+    with cache_lock(".convert.lock"):
         _held.depth = 1
         try:
             yield

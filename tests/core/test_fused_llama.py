@@ -23,11 +23,13 @@ from ead_llm.core.fused_llama import (
     choose_kernel,
     choose_widths,
     first_kernel,
+    kernel_key,
     kernel_record,
     rotary,
     signed_sin,
     tune_widths,
 )
+from ead_llm.core.sources import cache_lock
 
 AVAILABLE = [k for k in KERNELS if k != "onednn" or ONEDNN is not None]
 
@@ -224,6 +226,45 @@ def test_the_kernel_is_timed_once_per_machine_and_kept_so_every_process_computes
     assert choose_kernel(again) == want and all(p.kernel == want for p in again)  # the record, not the timing
     kernel_record().unlink()
     assert choose_kernel(_onednn_projections(3)) == "onednn"
+
+
+def test_a_choice_waits_for_one_under_way_elsewhere_and_takes_its_record(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """While another process holds the kernel lock (choosing for the same model), a choice here neither times nor
+    returns; once that one has recorded its kernel and let go, this one takes the record, whatever its own timing
+    would say. (Without the lock both would time and each keep its own choice: two processes, two texts.)"""
+    import threading
+
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    timed: list[str] = []
+
+    def stand_in(packed: list[Projection], repeats: int) -> dict[int, float]:
+        timed.append(str(packed[0].kernel))
+        return _timings_favouring("blas")(packed, repeats)
+
+    checked = threading.Event()
+    real_check = fused_llama._recorded_kernel
+
+    def check(key: str) -> str | None:
+        found = real_check(key)
+        checked.set()
+        return found
+
+    monkeypatch.setattr(fused_llama, "_time_rows", stand_in)
+    monkeypatch.setattr(fused_llama, "_recorded_kernel", check)
+    mine = _onednn_projections(6)
+    chosen: list[str | None] = []
+    with cache_lock(fused_llama.KERNEL_LOCK):  # as another process choosing for this model would
+        worker = threading.Thread(target=lambda: chosen.append(choose_kernel(mine)), daemon=True)
+        worker.start()
+        assert checked.wait(timeout=60)
+        worker.join(timeout=0.3)
+        assert worker.is_alive() and not timed and not chosen  # waiting, not timing
+        kernel_record().write_text(json.dumps({kernel_key(mine): {"kernel": "onednn"}}))
+    worker.join(timeout=60)
+    assert chosen == ["onednn"] and not timed and all(p.kernel == "onednn" for p in mine)
 
 
 def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
