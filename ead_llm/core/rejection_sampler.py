@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ead_llm.core.ops import entropy_bits, filtered_probs
+from ead_llm.core.ops import best, entropy_bits, filtered_probs
 from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, row_blocks, uniforms
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import DraftRound, RoundVerdict
@@ -141,7 +141,7 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
     gamma = drafts.shape[1]
     vocab = batch.target_logits.shape[-1]
     target_entropy = entropy_bits(batch.target_logits)  # [R, G+1]
-    target_best = torch.argmax(batch.target_logits, dim=-1)  # [R, G+1]
+    target_best = best(batch.target_logits)  # [R, G+1]
     greedy = (batch.temperature == 0)[:, None]  # [R, 1]
     positions = torch.arange(gamma, device=device)
     valid = positions[None, :] < batch.num_drafts[:, None]  # [R, G]
@@ -157,7 +157,7 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
         ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 0.0)  # a draft q cannot draw never stands
         u = uniforms(batch.keys, batch.positions, LANE_ACCEPT, max(gamma, 1))[:, :gamma]
         stands = torch.where(greedy, stands, u < ratio.clamp(max=1.0).double())
-    oracle_stands = torch.argmax(batch.draft_logits, dim=-1) == target_best[:, :gamma]
+    oracle_stands = best(batch.draft_logits) == target_best[:, :gamma]
     stands = torch.where(batch.oracle[:, None], oracle_stands, stands)
 
     uncertain = torch.zeros_like(stands)
@@ -178,7 +178,7 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
     # the distribution the last token is drawn from, per round: [R, V]
     target_at = batch.target_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # raw logits
     masked = target_at.scatter(1, draft_at[:, None], -torch.inf)
-    greedy_token = torch.where(by_entropy, torch.argmax(masked, dim=-1), target_best.gather(1, at).squeeze(1))
+    greedy_token = torch.where(by_entropy, best(masked), target_best.gather(1, at).squeeze(1))
     token = greedy_token
     if p is not None and q is not None:
         p_at = p.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
@@ -223,7 +223,7 @@ def _sibling_extra(
     read = judged & (accepted < batch.sibling_count) & (batch.sibling_tokens.gather(1, at).squeeze(1) == token)
     vocab = batch.sibling_logits.shape[-1]
     after = batch.sibling_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
-    return torch.where(read, torch.argmax(after, dim=-1), none), torch.where(read, entropy_bits(after), zero)
+    return torch.where(read, best(after), none), torch.where(read, entropy_bits(after), zero)
 
 
 def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 
 from ead_llm.core.ops import (
     apply_temperature,
+    best,
     candidate_width,
     entropy_bits,
     kept_floor,
@@ -205,12 +206,12 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every row draws over the vocabulary, so that no step looks at
     the data."""
     if meta.all_greedy:
-        return torch.argmax(logits, dim=-1)  # [B], the first of equal maxima
+        return best(logits)  # [B], the first of equal maxima
     rows = meta.sampled_rows  # only the sampled rows are filtered
     count = len(logits) if rows is None else len(rows)
     blocks = row_blocks(count, logits.shape[-1], logits.device)
     drawn = torch.cat([_draw(logits, meta, block) for block in blocks]) if len(blocks) > 1 else _draw(logits, meta)
-    return drawn if rows is None else torch.argmax(logits, dim=-1).index_copy(0, rows, drawn)
+    return drawn if rows is None else best(logits).index_copy(0, rows, drawn)
 
 
 def _draw(logits: torch.Tensor, meta: SamplingMetadata, block: slice | None = None) -> torch.Tensor:

@@ -6,7 +6,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ead_llm.accounting.ledger import forward_flops, parameter_ratio
-from ead_llm.core.ops import apply_temperature, entropy_bits, filter_logits, sorted_descending
+from ead_llm.core.ops import apply_temperature, best, entropy_bits, filter_logits, sorted_descending
 
 
 def kept(logits: torch.Tensor, top_p: float | list[float] = 1.0, top_k: int | list[int] = 0) -> list:
@@ -220,3 +220,28 @@ def test_a_digit_is_the_first_whose_mass_reaches_the_threshold_and_never_one_wit
     assert before.tolist() == [0.0, 0.0]
     before, found = _next_digit(slots, mass, 2, zero, prefix + 1, torch.tensor([0.5, 0.1], dtype=torch.float64))
     assert found.tolist() == [(1 << 2) | 1, (1 << 2) | 1] and before.tolist() == [0.25, 0.0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_best_is_argmax_the_lowest_id_among_ties_with_infinities_and_nans(dtype: torch.dtype, threads: int) -> None:
+    """``best`` (``torch.max``'s indices, faster on the CPU) picks what ``torch.argmax`` picks: the first of equal
+    maxima, on rows of few distinct values (ties everywhere), wide and narrow, rows of ``-inf``, ``inf`` maxima, a
+    NaN (the maximum), strided views and rounds ``[R, G, V]``."""
+    gen = torch.Generator().manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(60):
+            vocab = int(torch.randint(1, 300 if trial % 2 else 70_000, (), generator=gen))
+            x = torch.randint(-3, 3, (5, vocab), generator=gen).to(dtype)
+            if trial % 5 == 0:
+                x[:, torch.randint(0, vocab, (3,), generator=gen)] = float("inf")
+            if trial % 7 == 0:
+                x[1] = -float("inf")
+            if trial % 11 == 0:
+                x[2, torch.randint(0, vocab, (2,), generator=gen)] = float("nan")
+            for view in (x, x[:, ::2], x.t().contiguous().t(), x[None].expand(3, -1, -1)):
+                assert torch.equal(best(view), torch.argmax(view, dim=-1))
+    finally:
+        torch.set_num_threads(before)
