@@ -8,8 +8,16 @@
    positions.
 2. A compiled decode step: the embedded pair's large model at batch 1, the fused forward as it is against the
    same layer body compiled with ``torch.compile`` around the paged attention (before and after it).
+3. The work between a decode forward's matrix products (norms, rotary, attention, the cache's writes: dozens of
+   small operations per layer), in place and alone: one decode forward through the runner (64 positions, one
+   row) as it runs, its products timed where they run; the products alone, one after another; and the forward
+   with every product's output replayed from a first call (the work between them alone, its code and data
+   staying in the cache). Then one ``F.rms_norm`` of a row alone and right after one product, which streams its
+   weight through the cache and evicts what the small operations use. The embedded large model, and with
+   ``--smollm2`` SmolLM2-135M-Instruct too.
 
-    OMP_NUM_THREADS=1 python -m benchmarks.step_floor [--rows 4] [--context 1100] [--repeats 5]
+    OMP_NUM_THREADS=1 python -m benchmarks.step_floor [--rows 4] [--context 1100] [--repeats 5] [--smollm2]
+        [--only 3]
 """
 
 from __future__ import annotations
@@ -26,8 +34,11 @@ from torch.nn import functional as F
 from ead_llm import LargeOnly
 from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
+from ead_llm.core.kv_cache import SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
+from ead_llm.core.model_runner import ModelRunner, PassRow
 from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.types import Role
 from ead_llm.embedded import embedded_pair
 from ead_llm.evaluation.task import problems
 
@@ -158,15 +169,122 @@ def compiled(repeats: int, tokens: int) -> None:
     print(f"   same text: {texts['as it is'] == texts['compiled']}")
 
 
+@torch.inference_mode()  # as the engine's step runs
+def decode_ms(
+    runner: ModelRunner, repeats: int, context: int = 64, after_prompt: Callable[[], None] | None = None
+) -> float:
+    """Median milliseconds of one decode forward of one row at ``context`` positions through ``runner``
+    (``after_prompt`` is called once the prompt's pass has run)."""
+    tokens = torch.randint(4, runner.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    kv = SequenceKV()
+    runner.cache.reserve(kv, context + 1)
+    runner.execute([PassRow(kv, tokens[:context])])
+    if after_prompt is not None:
+        after_prompt()
+    times = []
+    for _ in range(repeats):
+        runner.cache.reserve(kv, context + 1)
+        start = time.perf_counter()
+        out = runner.execute([PassRow(kv, tokens)])
+        times.append(time.perf_counter() - start)
+        if out.failures:
+            raise next(iter(out.failures.values()))
+        runner.cache.truncate(kv, context)
+    runner.cache.free(kv)
+    return statistics.median(times) * 1e3
+
+
+def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
+    fused = runner._fused
+    if fused is None:
+        print(f"   {name}: not run on the fused forward; skipped")
+        return
+    plain = fused_llama.Projection.__call__
+    spent = [0.0]
+
+    def timed(self: fused_llama.Projection, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        out = plain(self, x)
+        spent[0] += time.perf_counter() - start
+        return out
+
+    replayed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+    def replay(self: fused_llama.Projection, x: torch.Tensor) -> torch.Tensor:
+        key = (id(self), tuple(x.shape))
+        if key not in replayed:
+            replayed[key] = plain(self, x)
+        return replayed[key]
+
+    fused_llama.Projection.__call__ = timed  # type: ignore[method-assign]
+    forward = decode_ms(runner, repeats, after_prompt=lambda: spent.__setitem__(0, 0.0))
+    products_in_place = spent[0] * 1e3 / repeats
+    fused_llama.Projection.__call__ = replay  # type: ignore[method-assign]
+    between_alone = decode_ms(runner, repeats)
+    fused_llama.Projection.__call__ = plain  # type: ignore[method-assign]
+    inputs = [(p, torch.randn(1, 1, p.weight.shape[1])) for p in fused.projections]
+
+    def products() -> None:
+        with torch.inference_mode():
+            for projection, x in inputs:
+                projection(x)
+
+    alone = statistics.median(median_ms(products, repeats, 1))
+    print(
+        f"   {name}: forward {forward:.3f} ms; its products alone {alone:.3f} ms; the work between them "
+        f"alone {between_alone:.3f} ms, in place about {forward - min(products_in_place, forward):.3f} ms "
+        f"(the forward less its products timed where they ran, {products_in_place:.3f} ms)"
+    )
+
+
+def eviction(repeats: int) -> None:
+    row, weight = torch.randn(1, 1, 576), torch.randn(576)
+    streamed = torch.randn(576, 2 * 1536)  # SmolLM2's gate and up projection, 7 MB
+
+    def norm() -> Any:
+        return F.rms_norm(row, (576,), weight, 1e-5)
+
+    def after_product() -> float:
+        torch.mm(row[0], streamed)
+        start = time.perf_counter()
+        norm()
+        return (time.perf_counter() - start) * 1e6
+
+    alone = statistics.median(median_ms(norm, repeats, 200)) * 1e3
+    after = statistics.median(after_product() for _ in range(200 * repeats))
+    print(f"   one F.rms_norm of 576: alone {alone:.1f} us; right after a 576 x 3072 product {after:.1f} us")
+
+
+def between(repeats: int, *, smollm2_too: bool) -> None:
+    print("3. a decode forward (one row, 64 positions): the work between the products, in place and alone")
+    small, large = embedded_pair()
+    engine = Engine(load_pair(LoadConfig(small=small, large=large, device="cpu")))
+    between_products("embedded large model", engine.runners[Role.LARGE], repeats * 20)
+    engine.close()
+    if smollm2_too:
+        from ead_llm.testing import smollm2
+
+        engine = Engine(load_pair(LoadConfig(small=str(smollm2.fast_draft()), large=str(smollm2.full_model()))))
+        between_products("SmolLM2-135M-Instruct", engine.runners[Role.LARGE], repeats * 2)
+        engine.close()
+    eviction(repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--context", type=int, default=1100)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smollm2", action="store_true", help="section 3 on SmolLM2-135M-Instruct too")
+    parser.add_argument("--only", type=int, choices=(1, 2, 3), default=None, help="run this section only")
     args = parser.parse_args()
-    attention(args.rows, args.context, args.repeats)
-    compiled(args.repeats, args.tokens)
+    if args.only in (None, 1):
+        attention(args.rows, args.context, args.repeats)
+    if args.only in (None, 2):
+        compiled(args.repeats, args.tokens)
+    if args.only in (None, 3):
+        between(args.repeats, smollm2_too=args.smollm2)
 
 
 if __name__ == "__main__":
