@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ead_llm.core.loading import ModelPair
-from ead_llm.core.ops import entropy_bits
+from ead_llm.core.ops import NUCLEUS_RTOL, entropy_bits
 from ead_llm.core.types import Role
 from ead_llm.policies.base import Policy
 
@@ -37,21 +37,24 @@ def reference_greedy(
 
 
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """The distribution one row ``[V]`` must be drawn from, written out plainly (float64, one step per distinct
-    value): temperature; top-k keeps every token at least as likely as the k-th; top-p then keeps every token
-    whose strictly more likely (kept) tokens hold less than ``top_p`` of the kept mass."""
-    z = logits.double() / temperature
-    z = z - z.max()
+    """The distribution one row ``[V]`` must be drawn from, written out plainly (one step per distinct value): the
+    row's float32 weights after temperature (``exp`` of the maximum-shifted logits over ``temperature``, as the
+    sampler computes them), summed in float64; top-k keeps every token at least as likely as the k-th; top-p then
+    keeps every token whose strictly more likely (kept) tokens hold less than ``top_p`` (float32, as the sampler holds
+    it) of the kept mass, mass within :data:`~ead_llm.core.ops.NUCLEUS_RTOL` of it counting as reaching it (the
+    sampler's documented edge: with float32 weights an edge on a token would be decided by rounding)."""
+    z = (logits.float() - logits.float().max()) / temperature
     keep = torch.ones_like(z, dtype=torch.bool)
     if 0 < top_k < len(z):
         kth = sorted(z.tolist(), reverse=True)[top_k - 1]
         keep = z >= kth
-    w = torch.where(keep, torch.exp(z), 0.0)
+    w = torch.where(keep, torch.exp(z), 0.0).double()
     if top_p < 1.0:
         total = float(w.sum())
+        threshold = float(torch.tensor(top_p, dtype=torch.float32)) * total * (1.0 - NUCLEUS_RTOL)  # top_p as held
         for value in set(z[keep].tolist()):
             strictly_more_likely = float(w[z > value].sum())
-            if strictly_more_likely >= top_p * total:
+            if strictly_more_likely >= threshold:
                 keep &= z != value
         w = torch.where(keep, w, 0.0)
     return (w / w.sum()).float()
