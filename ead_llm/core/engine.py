@@ -33,10 +33,18 @@ from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, RunnerOutput
 from ead_llm.core.ops import entropy_bits, top_two
 from ead_llm.core.rejection_sampler import JudgedRounds, verify, verify_batch
-from ead_llm.core.sampler import DeviceResults, SampledRows, Sampler, SamplingMetadata, branch_entropy, to_host
-from ead_llm.core.scheduler import DONE, PassPlan, Scheduler
+from ead_llm.core.sampler import (
+    GREEDY,
+    DeviceResults,
+    SampledRows,
+    Sampler,
+    SamplingMetadata,
+    branch_entropy,
+    to_host,
+)
+from ead_llm.core.scheduler import PassPlan, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
-from ead_llm.core.types import DraftRound, ForwardWork, Read, Role, RoundVerdict
+from ead_llm.core.types import DraftRound, ForwardWork, Read, Role, RoundVerdict, TokenSample
 from ead_llm.core.validation import check_int
 
 logger = logging.getLogger(__name__)
@@ -116,21 +124,6 @@ class Engine(Frontend):
         self._stop = threading.Event()
         _ENGINES.add(self)
 
-    def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
-        """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
-        if self.load_config is None:
-            raise TypeError("this Engine was built from a ModelPair directly; only shared engines can be pickled")
-        from ead_llm.core.registry import shared_engine
-
-        return shared_engine, (self.load_config,)
-
-    def __copy__(self) -> Engine:
-        return self
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Engine:
-        """The engine is a shared resource: copying an object that holds it never clones the weights."""
-        return self
-
     def _ensure_thread(self) -> None:
         """Start the scheduler thread if none runs (call with the lock held); a thread still stopping
         from ``close()`` is waited for first, so that two never run passes on the same models."""
@@ -157,7 +150,7 @@ class Engine(Frontend):
         with self._cond:
             thread = self._thread
             self._stop.set()
-            self._abort(RuntimeError("the engine was closed"))
+            self.scheduler.abort(RuntimeError("the engine was closed"))
             self._cond.notify_all()
         if thread is None or thread is threading.current_thread():
             return True
@@ -178,7 +171,7 @@ class Engine(Frontend):
                 except Exception as exc:  # admission or retirement broke: fail what runs or waits, serve on
                     logger.exception("ead-llm scheduler fault; failing the requests in flight")
                     with self._cond:
-                        self._abort(exc)
+                        self.scheduler.abort(exc)
 
     def _serve_once(self, stop: threading.Event) -> bool:
         """Wait for work, run one step, deliver its items; False once the engine is stopping."""
@@ -206,39 +199,25 @@ class Engine(Frontend):
             call.put(items)  # one hand-over per caller per step (a whole-completion call's held to its end)
         return True
 
-    def _abort(self, exc: BaseException) -> None:
-        """Fail every running and waiting request with ``exc``, tell their callers, and start the caches
-        afresh (call with the lock held). Used when the engine closes or its own bookkeeping broke."""
-        scheduler = self.scheduler
-        calls = {seq.call: None for seq in [*scheduler.running, *scheduler.waiting]}
-        outbox = scheduler.fail_all(exc)
-        for cache in self.caches.values():
-            cache.clear()
-        for call in calls:  # what a whole-completion call had held goes first: finished requests keep their answers
-            if call.held:
-                call.put(call.held)
-                call.held = []
-        for call, item in outbox:
-            call.put([item])
-        for call in calls:
-            if not call.closed:
-                call.closed = True
-                call.put([DONE])
-
     def _step(self) -> None:
         for plan in self.scheduler.schedule().passes:
-            self._pass(plan)
+            self._chain(plan) if all(read.chain for read in plan.reads) else self._pass(plan)
+
+    def _execute(self, plan: PassPlan) -> tuple[RunnerOutput, list[int]]:
+        """Run ``plan``'s pass: a row that failed alone fails its request; the rows that ran (returned) are billed."""
+        runner = self.runners[plan.role]
+        out = runner.execute(plan.rows(with_target=runner.reads_features))
+        for i, exc in out.failures.items():
+            self.scheduler.fail(plan.seqs[i], exc)
+        ok = [i for i in range(len(plan.seqs)) if i in out.work]
+        for i in ok:
+            plan.seqs[i].pending_work.append(out.work[i])
+        return out, ok
 
     def _pass(self, plan: PassPlan) -> None:
         """One model's pass over its rows: run, sample and verify (one host sync), then each decoder's actions."""
         seqs, reads = plan.seqs, plan.reads
-        runner = self.runners[plan.role]
-        out = runner.execute(plan.rows(with_target=runner.reads_features))
-        for i, exc in out.failures.items():
-            self.scheduler.fail(seqs[i], exc)
-        ok = [i for i in range(len(seqs)) if i in out.work]
-        for i in ok:
-            seqs[i].pending_work.append(out.work[i])
+        out, ok = self._execute(plan)
         sampled = [i for i in ok if not reads[i].verify]
         verified = [i for i in ok if reads[i].verify]
         parts = [
@@ -246,7 +225,25 @@ class Engine(Frontend):
             *(self._verify(seqs, out, verified) if verified else []),
         ]
         # decoders act in a fixed order (catch-ups, decodes, verifications): it decides where EAGER's paths compete
-        results = sorted(to_host(parts), key=lambda item: (_rank(out.work[item[0]], reads[item[0]]), item[0]))
+        self._act(seqs, sorted(to_host(parts), key=lambda item: (_rank(out.work[item[0]], reads[item[0]]), item[0])))
+
+    def _chain(self, plan: PassPlan) -> None:
+        """Greedy drafts (every read a :attr:`Read.chain`): passes back to back, without a step between, each row's
+        argmax (the sampler's greedy rule) fed to its next pass, until its chain is drawn or it drew an end of text.
+        Its decoder takes each draft as it comes, as it would one per step; the scheduler reserved their room."""
+        while plan.seqs:
+            out, ok = self._execute(plan)
+            logits = out.last_rows(ok)
+            drawn = self.sampler(logits, GREEDY)
+            tokens, entropy = torch.stack((drawn.tokens.double(), drawn.entropy_bits.double())).tolist()  # one sync
+            samples = [TokenSample(plan.role, int(tokens[b]), entropy[b], logits[b]) for b in range(len(ok))]
+            self._act(plan.seqs, list(zip(ok, samples, strict=True)))
+            more = [i for i in ok if plan.reads[i].chain > 1 and not _ended(plan.seqs[i])]
+            reads = [Read(plan.role, chain=plan.reads[i].chain - 1) for i in more]
+            plan = PassPlan(plan.role, [plan.seqs[i] for i in more], reads)
+
+    def _act(self, seqs: list[Seq], results: list[tuple[int, Any]]) -> None:
+        """Each row's decoder takes its result, in the order given; the scheduler carries out its actions."""
         room = self.scheduler.fork_room()
         for i, result in results:
             seq = seqs[i]
@@ -340,6 +337,10 @@ class Engine(Frontend):
             return JudgedRounds(part, verify(batch))
 
         return self._per_row(seqs, live, run)
+
+
+def _ended(seq: Seq) -> bool:
+    return seq.finished or seq.is_end(seq.tokens[-1])
 
 
 def _rank(work: ForwardWork, read: Read) -> int:

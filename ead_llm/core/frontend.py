@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from typing import Literal, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 from ead_llm.accounting.ledger import Pricing
 from ead_llm.core.grammar import GrammarCompiler
 from ead_llm.core.inputs import InputProcessor, check_requests
 from ead_llm.core.kv_cache import KVCache
-from ead_llm.core.loading import ModelPair
+from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.request import Completion, Prompt, Request
@@ -27,6 +27,7 @@ from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
 
 StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)
+FrontendT = TypeVar("FrontendT", bound="Frontend")
 
 
 class Frontend:
@@ -41,6 +42,22 @@ class Frontend:
     kv_budget_tokens: int | None
     kv_block_size: int
     _cond: threading.Condition
+    load_config: LoadConfig | None
+
+    def __reduce__(self) -> tuple[Any, tuple[LoadConfig]]:
+        """Pickled as the pair's load settings; unpickling finds (or loads) the shared engine."""
+        if self.load_config is None:
+            raise TypeError("this Engine was built from a ModelPair directly; only shared engines can be pickled")
+        from ead_llm.core.registry import shared_engine
+
+        return shared_engine, (self.load_config,)
+
+    def __copy__(self: FrontendT) -> FrontendT:
+        return self
+
+    def __deepcopy__(self: FrontendT, memo: dict[int, Any]) -> FrontendT:
+        """The engine is a shared resource: copying an object that holds it never clones the weights."""
+        return self
 
     def _ensure_thread(self) -> None:
         """Start the thread that runs the steps, if none runs (call with the lock held)."""

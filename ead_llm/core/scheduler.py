@@ -268,7 +268,7 @@ class Scheduler:
         for seq, read in reads:
             if seq.finished or (self.preemptions != preempted and seq not in self.running):
                 continue
-            if self._reserve(seq, read.role, len(read.siblings)):
+            if self._reserve(seq, read.role, len(read.siblings) + max(0, read.chain - 1)):
                 passes.setdefault(read.role, []).append((seq, read))
         if self.preemptions != preempted:  # a later row's reservation took an earlier one's place
             passes = {role: [(s, r) for s, r in rows if s in self.running] for role, rows in passes.items()}
@@ -292,8 +292,8 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, role: Role, scratch: int = 0) -> bool:
         """Blocks for ``seq``'s tokens in ``role``'s cache (and ``scratch`` positions after them, where a verify
-        pass writes the keys of its siblings), preempting newer sequences while it lacks them; False when ``seq``
-        itself had to give way."""
+        pass writes the keys of its siblings or a draft chain its later drafts), preempting newer sequences while it
+        lacks them; False when ``seq`` itself had to give way."""
         cache = self.caches[role]
         while True:
             try:
@@ -366,6 +366,24 @@ class Scheduler:
             self.fail(seq, exc)
         self.running, self.waiting = [], deque()
         return self.take_outbox()
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every running and waiting request with ``exc``, tell their callers, and start the caches afresh
+        (under the engine's lock). Used when the engine closes or its own bookkeeping broke."""
+        calls = {seq.call: None for seq in [*self.running, *self.waiting]}
+        outbox = self.fail_all(exc)
+        for cache in self.caches.values():
+            cache.clear()
+        for call in calls:  # what a whole-completion call had held goes first: finished requests keep their answers
+            if call.held:
+                call.put(call.held)
+                call.held = []
+        for call, item in outbox:
+            call.put([item])
+        for call in calls:
+            if not call.closed:
+                call.closed = True
+                call.put([DONE])
 
     def fork_room(self) -> ForkRoom:
         return ForkRoom(self)

@@ -195,6 +195,11 @@ class Read:
     """With ``verify``: another token for each of the first drafts (the draft model's second choice), each read in
     the same pass at its draft's position over the tokens before it (a tree of one chain and its leaves); the pass
     returns the large model's logits after each, when it can attend to them (see :class:`RoundVerdict.extra`)."""
+    chain: int = 0
+    """Greedy drafts: how many tokens the decoder will take from ``role`` one after another from here, each its
+    argmax, none able to change its course but an end of text (the rest of a round). The scheduler reserves room
+    for them all, and when every row of a pass has a chain the engine runs their passes back to back, without a
+    step between, each decoder taking each token as it comes; 0: a token drawn by the sampler, then the next step."""
 
     @property
     def positions(self) -> int:

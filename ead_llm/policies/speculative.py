@@ -131,6 +131,12 @@ class SpeculativeDecoding(Policy):
         """Start a round drafting at most ``budget`` tokens (what the length limits leave)."""
         return replace(state, gamma=max(0, min(state.next_gamma, budget)), drafted=0)
 
+    def drafts_ahead(self, state: SpecState) -> int:
+        """Drafts left in this round that nothing but an end of text can cut short: all of them, or one where a
+        draft's entropy may end the round (``stop_entropy``)."""
+        left = max(0, state.gamma - state.drafted)
+        return left if math.isinf(self.stop_entropy) else min(left, 1)
+
     def cut_round(self, state: SpecState) -> SpecState:
         """Stop drafting now (the last draft ends the text: nothing after it could be kept)."""
         return replace(state, gamma=state.drafted)
@@ -207,7 +213,8 @@ class DraftVerifyDecoder(Decoder):
             room = max(0, seq.max_length - len(seq.tokens) - 1)  # drafts that leave room for the closing token
             self.state = self.policy.begin_round(self.state, room)
         if self.policy.choose(self.state) is Role.SMALL:
-            return Read(Role.SMALL)
+            greedy = seq.params.temperature == 0 and seq.grammar is None and not self.branch_stats
+            return Read(Role.SMALL, chain=self.policy.drafts_ahead(self.state) if greedy else 0)
         return Read(Role.LARGE, verify=True, drafts=len(self.drafts), siblings=self._siblings(seq))
 
     def _siblings(self, seq: SequenceView) -> tuple[int, ...]:
