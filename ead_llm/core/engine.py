@@ -9,6 +9,8 @@ A scheduler thread runs the step loop for all callers at once. One step::
             scheduler.apply(seq, seq.decoder.on_...(seq, result))   # Emit / Draft / Rollback / Fork
     publish(scheduler.finish_step())             # retire, then events to their callers
 
+(A pass whose rows are all greedy drafts runs them as a chain, pass after pass: :meth:`Engine._chain`.)
+
 What callers touch (requests in, events out, settings) is :class:`~ead_llm.core.frontend.Frontend`; prompts become
 sequences in :mod:`ead_llm.core.inputs`. Callers get one :class:`TokenEvent` per emitted token through an
 :class:`EventStream`; text, stop strings, the ledger and the framework adapters all consume that one stream.
