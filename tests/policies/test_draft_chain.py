@@ -151,3 +151,27 @@ def test_the_decoder_chains_the_rest_of_a_greedy_round_only() -> None:
     ):
         assert policy.build_decoder(0, {}).read(seq).chain == 0
     assert SpeculativeDecoding(gamma=3, stop_entropy=1.0).build_decoder(0, {}).read(_seq()).chain == 1
+
+
+def test_chains_under_a_budget_too_small_for_everyone_keep_every_answer_and_bill(llama_pair: ModelPair) -> None:
+    """Eight greedy speculative requests (gamma 4) in a KV budget of 12 blocks for 8 x 6: chains reserve their
+    drafts' room up front and sequences are preempted, yet every text and bill is what the request gets alone,
+    and no cache ever holds more than the budget."""
+    prompts = [f"{i}+{i}=" for i in range(8)]
+    requests = [
+        Request(p, SpeculativeDecoding(gamma=4), SamplingParams(max_tokens=40, ignore_eos=True)) for p in prompts
+    ]
+    alone = Engine(llama_pair, kv_block_size=8)
+    expected = [alone.generate([r])[0] for r in requests]
+    alone.close()
+    engine = Engine(llama_pair, max_batch=8, kv_budget_tokens=12 * 8, kv_block_size=8)
+    loaded = engine.generate(requests)
+    assert engine.scheduler.preemptions > 0
+    assert all(cache.peak_blocks <= 12 for cache in engine.caches.values())
+    billed = ("small_processed_tokens", "large_processed_tokens", "flops", "drafted_tokens", "accepted_tokens")
+    assert all(want.cost.to_dict().get(k) is not None for k in billed for want in expected)
+    for got, want in zip(loaded, expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert {k: got.cost.to_dict().get(k) for k in billed} == {k: want.cost.to_dict().get(k) for k in billed}
+    assert engine.load == {"running": 0, "waiting": 0, "reserved_kv": 0}
+    engine.close()
