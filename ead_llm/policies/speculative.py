@@ -213,14 +213,14 @@ class DraftVerifyDecoder(Decoder):
             room = max(0, seq.max_length - len(seq.tokens) - 1)  # drafts that leave room for the closing token
             self.state = self.policy.begin_round(self.state, room)
         if self.policy.choose(self.state) is Role.SMALL:
-            greedy = seq.params.temperature == 0 and seq.grammar is None and not self.branch_stats
-            return Read(Role.SMALL, chain=self.policy.drafts_ahead(self.state) if greedy else 0)
+            chained = _greedy_unconstrained(seq) and not self.branch_stats
+            return Read(Role.SMALL, chain=self.policy.drafts_ahead(self.state) if chained else 0)
         return Read(Role.LARGE, verify=True, drafts=len(self.drafts), siblings=self._siblings(seq))
 
     def _siblings(self, seq: SequenceView) -> tuple[int, ...]:
         """The second choices to verify beside the drafts (one per draft made, an end-of-text draft's included):
         greedy rows without a grammar only (the check is the large model's argmax)."""
-        if not self.seconds or seq.params.temperature > 0 or seq.grammar is not None:
+        if not self.seconds or not _greedy_unconstrained(seq):
             return ()
         return tuple(self.seconds[: len(self.drafts)])
 
@@ -274,3 +274,8 @@ class DraftVerifyDecoder(Decoder):
         keep = len(seq.tokens) - len(self.drafts)
         self.drafts, self.seconds = [], []  # the round starts again once the sequence is back
         return keep
+
+
+def _greedy_unconstrained(seq: SequenceView) -> bool:
+    """A greedy row without a grammar: its drafts and checks are argmaxes alone (what chains and siblings need)."""
+    return seq.params.temperature == 0 and seq.grammar is None
