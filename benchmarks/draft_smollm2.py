@@ -31,6 +31,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,19 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def forward_s(runner: ModelRunner, context: int, target: ModelRunner | None = None, repeats: int = 21) -> float:
+def forward_s(
+    runner: ModelRunner,
+    context: int,
+    target: ModelRunner | None = None,
+    repeats: int = 21,
+    after_prompt: Callable[[], None] | None = None,
+) -> float:
     """Median seconds of one decode forward of ``runner``'s model at ``context`` positions (the model alone,
-    through the engine's runner). A feature-reading draft reads the target's features there."""
-    tokens = torch.randint(4, 1000, (context + 1,), generator=torch.Generator().manual_seed(context)).tolist()
+    through the engine's runner). A feature-reading draft reads the target's features there. ``after_prompt`` is
+    called once the prompt's pass has run (``benchmarks/step_floor.py`` times the decode passes' products)."""
+    tokens = torch.randint(
+        4, min(1000, runner.vocab_size), (context + 1,), generator=torch.Generator().manual_seed(context)
+    ).tolist()
     kv, target_kv = SequenceKV(), SequenceKV()
     runner.cache.reserve(kv, context + 1)
     if target is not None:
@@ -70,6 +80,8 @@ def forward_s(runner: ModelRunner, context: int, target: ModelRunner | None = No
         target.execute([PassRow(target_kv, tokens[:context])])
     row = {"target": target_kv} if target is not None else {}
     runner.execute([PassRow(kv, tokens[:context], **row)])
+    if after_prompt is not None:
+        after_prompt()
     times = []
     for _ in range(repeats):
         runner.cache.reserve(kv, context + 1)

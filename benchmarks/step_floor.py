@@ -31,12 +31,12 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from benchmarks.draft_smollm2 import forward_s
 from ead_llm import LargeOnly
 from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
-from ead_llm.core.kv_cache import SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
-from ead_llm.core.model_runner import ModelRunner, PassRow
+from ead_llm.core.model_runner import ModelRunner
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.embedded import embedded_pair
@@ -169,31 +169,6 @@ def compiled(repeats: int, tokens: int) -> None:
     print(f"   same text: {texts['as it is'] == texts['compiled']}")
 
 
-@torch.inference_mode()  # as the engine's step runs
-def decode_ms(
-    runner: ModelRunner, repeats: int, context: int = 64, after_prompt: Callable[[], None] | None = None
-) -> float:
-    """Median milliseconds of one decode forward of one row at ``context`` positions through ``runner``
-    (``after_prompt`` is called once the prompt's pass has run)."""
-    tokens = torch.randint(4, runner.vocab_size, (context + 1,), generator=torch.Generator().manual_seed(0)).tolist()
-    kv = SequenceKV()
-    runner.cache.reserve(kv, context + 1)
-    runner.execute([PassRow(kv, tokens[:context])])
-    if after_prompt is not None:
-        after_prompt()
-    times = []
-    for _ in range(repeats):
-        runner.cache.reserve(kv, context + 1)
-        start = time.perf_counter()
-        out = runner.execute([PassRow(kv, tokens)])
-        times.append(time.perf_counter() - start)
-        if out.failures:
-            raise next(iter(out.failures.values()))
-        runner.cache.truncate(kv, context)
-    runner.cache.free(kv)
-    return statistics.median(times) * 1e3
-
-
 def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
     fused = runner._fused
     if fused is None:
@@ -217,10 +192,10 @@ def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
         return replayed[key]
 
     fused_llama.Projection.__call__ = timed  # type: ignore[method-assign]
-    forward = decode_ms(runner, repeats, after_prompt=lambda: spent.__setitem__(0, 0.0))
+    forward = forward_s(runner, 64, repeats=repeats, after_prompt=lambda: spent.__setitem__(0, 0.0)) * 1e3
     products_in_place = spent[0] * 1e3 / repeats
     fused_llama.Projection.__call__ = replay  # type: ignore[method-assign]
-    between_alone = decode_ms(runner, repeats)
+    between_alone = forward_s(runner, 64, repeats=repeats) * 1e3
     fused_llama.Projection.__call__ = plain  # type: ignore[method-assign]
     inputs = [(p, torch.randn(1, 1, p.weight.shape[1])) for p in fused.projections]
 
