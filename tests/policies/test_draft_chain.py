@@ -17,6 +17,7 @@ from ead_llm.core.loading import ModelPair
 from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.core.types import Role, TokenSample
 from ead_llm.testing.faults import InjectedFault, fail_passes
+from ead_llm.testing.tiny import char_tokenizer
 from tests.scripted import peaked, scripted_pair
 
 PROMPTS = ["12+35=", "The quick brown fox", "a+b=", "9876-5432+1111", "hello world", "7*8="]
@@ -70,21 +71,13 @@ def test_a_chain_gives_what_one_draft_per_step_gives_in_fewer_steps(
 
 def _eos_pair(eos_at: int) -> tuple[Any, Any, Any]:
     """A scripted pair whose two models agree: ``a`` until position ``eos_at``, then end of text."""
+    tokenizer = char_tokenizer()  # the scripted pair's own
+    vocab, eos, a = len(tokenizer), tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("a")
 
-    def logits(pair_eos: list[int]) -> Any:
-        def fn(position: int, sequence: list[int]) -> Any:
-            return peaked(VOCAB[0], pair_eos[0] if position >= eos_at else VOCAB[1], 8.0)
+    def fn(position: int, sequence: list[int]) -> Any:
+        return peaked(vocab, eos if position >= eos_at else a, 8.0)
 
-        return fn
-
-    holder: list[int] = [0]
-    pair, small, large = scripted_pair(logits(holder), logits(holder))
-    holder[0] = next(iter(pair.eos_token_ids))
-    VOCAB[:] = [pair.vocab_size, pair.tokenizer.convert_tokens_to_ids("a")]
-    return pair, small, large
-
-
-VOCAB: list[int] = [0, 0]
+    return scripted_pair(fn, fn)
 
 
 def test_an_end_of_text_draft_ends_its_chain_with_no_pass_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
