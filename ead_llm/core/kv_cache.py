@@ -319,10 +319,29 @@ class KVCache:
             blocks[first] = private
         need = self.blocks_for(length)
         if len(blocks) < need:  # (most calls, a decode step inside its last block, end here)
+            had = len(blocks)
             while len(blocks) < need:
                 blocks.append(self._next_block(seq))
+            self._clear(blocks[had:])
             self._claim(seq)
             self.peak_blocks = max(self.peak_blocks, self.pool.used)
+
+    def _clear(self, blocks: list[int]) -> None:
+        """Zero the keys and values of blocks just handed to a sequence. A row is read over a view padded past its
+        end to its last block's end (masked); the numbers there must be finite whatever the block's last holder
+        left (0 * NaN is NaN)."""
+        size = self.block_size
+        runs: list[list[int]] = []
+        for block in blocks:
+            if runs and block == runs[-1][0] + runs[-1][1]:
+                runs[-1][1] += 1
+            else:
+                runs.append([block, 1])
+        for tensors in (self.keys, self.values):
+            for tensor in tensors:
+                if tensor is not None:  # (storage grown later starts at zero)
+                    for block, count in runs:
+                        tensor[:, block * size : (block + count) * size].zero_()
 
     def _next_block(self, seq: SequenceKV) -> int:
         """The block after ``seq``'s last one when it is free for it, else the start of a run with room for all
@@ -473,16 +492,26 @@ class KVCache:
         slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=stored.device)).flatten()
         return stored[0].index_select(0, slots[:length])
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]`` (a copy)."""
+    def gather(
+        self, layer: int, slots: torch.Tensor, into: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, L, D]`` of one layer at flat ``slots`` ``[B, L]`` (a copy; into the storage of
+        ``into``, an earlier gather's result of the same shape, when given)."""
         keys, values = self.keys[layer], self.values[layer]
         assert keys is not None and values is not None, "gather before any write"
         batch, length = slots.shape
         flat = slots.reshape(-1)
         heads, _, dim = keys.shape
-        k = keys.index_select(1, flat).view(heads, batch, length, dim).transpose(0, 1)
-        v = values.index_select(1, flat).view(heads, batch, length, dim).transpose(0, 1)
-        return k, v
+        out = []
+        for tensor, buffer in zip((keys, values), into or (None, None), strict=True):
+            if buffer is None:
+                picked = tensor.index_select(1, flat)
+            else:
+                picked = torch.index_select(
+                    tensor, 1, flat, out=buffer.transpose(0, 1).view(heads, batch * length, dim)
+                )
+            out.append(picked.view(heads, batch, length, dim).transpose(0, 1))
+        return out[0], out[1]
 
     def move(self, seq: SequenceKV, source: int, target: int) -> None:
         """Copy what position ``source`` of ``seq`` holds (every layer's keys and values, and its features) to
@@ -517,7 +546,7 @@ def _fit(storage: torch.Tensor | None, capacity: int, like: torch.Tensor) -> tor
     if storage is not None and storage.shape[1] >= capacity:
         return storage
     heads, dim = like.shape[1], like.shape[2]
-    grown = torch.empty((heads, capacity, dim), dtype=like.dtype, device=like.device)
+    grown = torch.zeros((heads, capacity, dim), dtype=like.dtype, device=like.device)
     if storage is not None:
         grown[:, : storage.shape[1]] = storage
     return grown

@@ -6,12 +6,12 @@ position ids, so the projections and MLPs run on real tokens only, decode and ca
 together. Attention is the only part that needs each row's history: the model's attention layers
 call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
-each row over its own positions without copying them where it can: a row whose history is all new (a
-prefill) over the pass's own keys with a causal kernel, a row whose blocks lie in order (the cache keeps
-room for that) over a view of them, a long row whose blocks lie in a few stretches (a prompt that took
-cached blocks, an EAGER fork) over a view of each, one call each; the other rows (short rows, for which
-one batched call costs less, and rows in many pieces) are copied into a ``[B, H, 1, L]`` call for decode
-rows and a second for multi-token rows. The model's head runs only at the positions
+each row over its own positions: a row whose history is all new (a prefill) over the pass's own keys with a
+causal kernel; short decode rows (one batched call costs less than one each) copied into ``[B, H, 1, L]`` calls,
+one per padded length (:data:`BUCKET`); every other row alone, its history cut at fixed positions (:data:`SPLIT`),
+each piece read over a view where its blocks lie in order (the cache keeps room for that), else copied. Each
+row's attention runs over shapes that depend on that row alone, so its logits are the same bits whatever other
+rows share the pass and wherever its blocks lie. The model's head runs only at the positions
 someone reads (``logits_to_keep``), so a 2,000-token prefill returns one row of logits, not 2,000.
 
 Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
@@ -50,45 +50,55 @@ engine's packed passes, transformers' SDPA for any other call (``model.generate`
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Rows of a pass attended together: decode rows (one new token each), or multi-token rows."""
+    """Short rows of a pass attended together, each feeding as many new tokens as the others, their keys padded to
+    the same length: copied into one batch, or read over a view for a row alone whose blocks lie in order."""
 
     query_index: torch.Tensor | None
-    """[B, W] packed index of each row's w-th new token (past a row's end: its last token); None when the
-    group is one row holding the whole pass, in order."""
-    key_slots: torch.Tensor
-    """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position)."""
-    mask: torch.Tensor | None
-    """[B, 1, W, L] bool, True where a query may attend; None when every query sees all L positions."""
-    real: tuple[torch.Tensor, torch.Tensor] | None
-    """For W > 1: (row, column) of every real query, in packed order; None for decode rows."""
-    packed: torch.Tensor | None
-    """[R] packed indices of the real queries (same order as ``real``); None with ``query_index``."""
+    """[B, W] packed index of each row's new tokens; None when the group is one row holding the whole pass."""
+    key_slots: torch.Tensor | None
+    """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position); None with
+    ``span``."""
+    mask: torch.Tensor
+    """[B, 1, W, L] float: 0 where a new token sees a position (its own and those before), -inf elsewhere (built once
+    for all layers; a bool mask is converted in every call)."""
+    span: slice | None = None
+    """For a group of one row whose blocks lie in order: the flat slots of its padded positions, read over a view
+    (past its end: the rest of its own last block, zeroed when handed out; masked)."""
 
 
 VIEW_MIN = 512
-"""Positions from which a row in consecutive blocks (or a few stretches) is attended alone over views of its blocks
-(no copy) rather than copied into a batch with the others: below it, one batched call for many rows costs less than
-one call each. Measured against 128 (one thread, A/B in one process, median of 3): the embedded pair's rows of up to
-500 positions ran 0-9% faster at 2-4 rows, 9-14% at 16, 15-23% at 64; 4 SmolLM2 chat rows of up to 290 positions
-6% faster, the same tokens. Rows of 1,000 positions and more (long prompts, cached prefixes) are read alone as
-before."""
+"""Positions from which a row is attended alone, in pieces read over views where they lie in order; below it, rows
+are batched with those of the same padded length and width, which costs less than one call each (measured when
+decode rows were batched whatever their length, against 128, one thread, A/B in one process, median of 3: the
+embedded pair's rows of up to 500 positions ran 0-9% faster at 2-4 rows, 9-14% at 16, 15-23% at 64; 4 SmolLM2 chat
+rows of up to 290 positions 6% faster, the same tokens)."""
 
-MAX_STRETCHES = 8
-"""The most stretches of consecutive blocks a row may lie in and still be attended over views of them."""
+BUCKET = 16
+"""A short row's keys are padded (masked) to the next multiple of this many positions, and rows are batched only with
+rows padded to the same length and feeding as many tokens: the attention kernel's sums then run over shapes that
+depend on the row alone, so its logits are the same bits whatever rows share its pass. (The kernel's arithmetic on
+one batch entry does not depend on the others; its vector tails and matrix-product blocking depend on the length and
+the number of queries.) A multiple of the block size, so that a row alone is read over a view of its own blocks
+(zeroed when handed out) without a copy."""
+
+SPLIT = 512
+"""A row attended alone is split at every multiple of this many positions: each piece is read over a view where its
+blocks lie in order, else copied, and the pieces are merged in position order. The split points depend on the row
+alone, not on where its blocks lie, so neither does its arithmetic."""
 
 
 @dataclass(frozen=True)
 class RowAttention:
-    """One row attended alone, without copying its history: over a view of its consecutive blocks, or, when
-    all of its history is new in this pass, over the pass's own keys (causal, as in a model's forward)."""
+    """One row attended alone: over its history in fixed pieces (views where they lie in order, else copies), or,
+    when all of its history is new in this pass, over the pass's own keys (causal, as in a model's forward)."""
 
     queries: slice
-    """Packed positions of its new tokens."""
-    spans: tuple[slice, ...] | None
-    """Flat cache slots of its positions 0..end, one slice per stretch of consecutive blocks, in position order;
-    None: its keys are the pass's own at ``queries``."""
+    """Packed positions of its new tokens (then its siblings)."""
+    pieces: tuple[slice | torch.Tensor, ...] | None
+    """Flat cache slots of its positions 0..end, one entry per :data:`SPLIT` positions: a range (read over a view)
+    or the slots themselves (copied); None: its keys are the pass's own at ``queries``."""
     mask: torch.Tensor | None
-    """[1, 1, W, L] bool for several new tokens over a span (each sees the positions up to its own)."""
+    """[1, 1, W, L] bool for several new tokens (each sees the positions up to its own) or siblings."""
 
 
 def attention(
@@ -102,8 +112,9 @@ def attention(
 ) -> torch.Tensor:
     """SDPA ``[B, H, W, D]`` of queries ``[B, H, W, D]`` over keys and values ``[B, Hkv, L, D]`` (grouped-query
     attention read in place when ``Hkv < H``)."""
-    if query.shape[2] == 1 and mask is None and key.shape[1] != query.shape[1]:  # decode, grouped
-        out = torch.nn.functional.scaled_dot_product_attention(_folded(query, key.shape[1]), key, value, scale=scaling)
+    if query.shape[2] == 1 and key.shape[1] != query.shape[1]:  # decode, grouped (a mask is [B, 1, 1, L])
+        folded = _folded(query, key.shape[1])
+        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
         return out.view(query.shape)
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
@@ -112,26 +123,26 @@ def attention(
 
 def split_attention(
     query: torch.Tensor,
-    stretches: list[tuple[torch.Tensor, torch.Tensor]],
+    pieces: list[tuple[torch.Tensor, torch.Tensor]],
     mask: torch.Tensor | None,
     scaling: float | None,
 ) -> torch.Tensor:
-    """:func:`attention` of one row's queries ``[1, H, W, D]`` over keys and values that lie in several stretches
-    ``[1, Hkv, L_i, D]`` (in position order), without joining them: the scores against every stretch are
-    normalised together, then each stretch's values are weighted and summed. ``mask``: ``[1, 1, W, L]``."""
+    """:func:`attention` of one row's queries ``[1, H, W, D]`` over keys and values that lie in several pieces
+    ``[1, Hkv, L_i, D]`` (in position order), without joining them: the scores against every piece are
+    normalised together, then each piece's values are weighted and summed. ``mask``: ``[1, 1, W, L]``."""
     _, heads, width, dim = query.shape
-    kv_heads = stretches[0][0].shape[1]
+    kv_heads = pieces[0][0].shape[1]
     if width == 1 and mask is None and query.device.type == "cpu":
-        return _merged_decode(_folded(query, kv_heads), stretches, scaling).view(query.shape)
+        return _merged_decode(_folded(query, kv_heads), pieces, scaling).view(query.shape)
     q = query[0].reshape(kv_heads, heads // kv_heads * width, dim)  # query heads h = kv * group + g
-    scores = torch.cat([q @ keys[0].transpose(1, 2) for keys, _ in stretches], dim=-1).float()
+    scores = torch.cat([q @ keys[0].transpose(1, 2) for keys, _ in pieces], dim=-1).float()
     scores *= dim**-0.5 if scaling is None else scaling
     if mask is not None:
         scores.masked_fill_(~mask[0, 0].repeat(heads // kv_heads, 1), float("-inf"))
     weights = scores.softmax(dim=-1).to(query.dtype)
     out = None
     at = 0
-    for _, values in stretches:
+    for _, values in pieces:
         length = values.shape[2]
         part = weights[:, :, at : at + length] @ values[0]
         out = part if out is None else out.add_(part)
@@ -148,13 +159,13 @@ def _folded(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 
 def _merged_decode(
-    folded: torch.Tensor, stretches: list[tuple[torch.Tensor, torch.Tensor]], scaling: float | None
+    folded: torch.Tensor, pieces: list[tuple[torch.Tensor, torch.Tensor]], scaling: float | None
 ) -> torch.Tensor:
     """:func:`split_attention` of one row's :func:`_folded` decode queries ``[1, Hkv, G, D]`` on the CPU (same shape
-    out): the fused attention kernel over each stretch in place, its outputs weighted by the share of the softmax
-    mass each stretch holds (from the log-sum-exp the kernel returns), as FlashAttention's split-KV decoding merges
+    out): the fused attention kernel over each piece in place, its outputs weighted by the share of the softmax
+    mass each piece holds (from the log-sum-exp the kernel returns), as FlashAttention's split-KV decoding merges
     its splits."""
-    parts = [_CPU_ATTENTION(folded, keys, values, scale=scaling) for keys, values in stretches]
+    parts = [_CPU_ATTENTION(folded, keys, values, scale=scaling) for keys, values in pieces]
     shares = torch.stack([lse for _, lse in parts]).softmax(dim=0)  # [S, 1, Hkv, G], float32
     out = None
     for (part, _), share in zip(parts, shares, strict=True):
@@ -186,6 +197,9 @@ class PackedBatch:
     """Rows attended one by one without copies (the others are in ``groups``)."""
     fresh: list[torch.Tensor] = field(default_factory=list)
     """The layer's new keys and values ``[1, Hkv, T, D]`` once written (what rows with no history attend to)."""
+    scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    """Each group's keys and values, copied into the same storage for every layer (a fresh buffer per call costs a
+    page-faulted allocation once it passes the allocator's mapping threshold)."""
     write_span: slice | None = None
     """``write_slots`` as a range where they are consecutive (one row's decode token, a prompt in ordered blocks):
     written as a slice, without an indexed scatter."""
@@ -206,39 +220,43 @@ class PackedBatch:
         layer = int(module.layer_idx)  # type: ignore[arg-type]
         if not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
             return self._attend_row(layer, self.alone[0], query, scaling).transpose(1, 2)
-        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # one row, gathered
+        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # one short row
             group = self.groups[0]
-            keys, values = self._keys(layer, group)
-            return sdpa_attention_forward(module, query, keys, values, group.mask, scaling=scaling)[0]
+            keys, values = self._keys(layer, 0, group)
+            return attention(query, keys, values, group.mask, scaling).transpose(1, 2)
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         for row in self.alone:
             out[row.queries] = self._attend_row(layer, row, query, scaling)[0].transpose(0, 1)
-        for group in self.groups:
-            keys, values = self._keys(layer, group)  # [B, Hkv, L, D]
-            assert group.query_index is not None and group.packed is not None
+        for index, group in enumerate(self.groups):
+            keys, values = self._keys(layer, index, group)  # [B, Hkv, L, D]
+            assert group.query_index is not None
             rows_q = q[group.query_index].transpose(1, 2)  # [B, H, W, D]
-            attended, _ = sdpa_attention_forward(module, rows_q, keys, values, group.mask, scaling=scaling)
-            # attended: [B, W, H, D]
-            if group.real is None:
-                out[group.packed] = attended[:, 0]
-            else:
-                out[group.packed] = attended[group.real]
+            out[group.query_index] = attention(rows_q, keys, values, group.mask, scaling).transpose(1, 2)
         return out.unsqueeze(0)
 
     def _attend_row(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
         rows_q = query[:, :, row.queries]
-        if row.spans is None:
+        if row.pieces is None:
             keys, values = (tensor[:, :, row.queries] for tensor in self.fresh)
             return attention(rows_q, keys, values, None, scaling, causal=rows_q.shape[2] > 1)
-        if len(row.spans) == 1:
-            keys, values = self.cache.view(layer, row.spans[0])
-            return attention(rows_q, keys, values, row.mask, scaling)
-        return split_attention(rows_q, [self.cache.view(layer, span) for span in row.spans], row.mask, scaling)
+        pieces = [
+            self.cache.view(layer, piece) if isinstance(piece, slice) else self.cache.gather(layer, piece[None])
+            for piece in row.pieces
+        ]
+        if len(pieces) == 1:
+            return attention(rows_q, *pieces[0], row.mask, scaling)
+        return split_attention(rows_q, pieces, row.mask, scaling)
 
-    def _keys(self, layer: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.gather(layer, group.key_slots)
+    def _keys(self, layer: int, index: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``index``'s keys and values ``[B, Hkv, L, D]`` at ``layer``, in its scratch storage."""
+        if group.span is not None:
+            return self.cache.view(layer, group.span)
+        assert group.key_slots is not None
+        keys, values = self.cache.gather(layer, group.key_slots, self.scratch.get(index))
+        self.scratch[index] = (keys, values)
+        return keys, values
 
     def histories(self, layer: int) -> list[torch.Tensor]:
         """Each row's stored keys ``[L_r, H, D]`` (positions 0..end), in packed order; for test models."""
@@ -302,24 +320,6 @@ def in_order(blocks: list[int], used: int) -> int | None:
     return first
 
 
-def stretches(blocks: list[int], used: int, limit: int = MAX_STRETCHES) -> list[tuple[int, int]] | None:
-    """(first block, blocks) of each stretch of consecutive blocks among a table's ``used`` first, in order; None
-    when there are more than ``limit``."""
-    first = in_order(blocks, used)
-    if first is not None:
-        return [(first, used)]
-    out = [(blocks[0], 1)]
-    for block in blocks[1:used]:
-        start, count = out[-1]
-        if block == start + count:
-            out[-1] = (start, count + 1)
-        elif len(out) >= limit:
-            return None
-        else:
-            out.append((block, 1))
-    return out
-
-
 def register_attention() -> None:
     """Make :data:`ATTENTION` a valid ``attn_implementation`` (idempotent); masks for other calls are SDPA's."""
     AttentionInterface.register(ATTENTION, paged_attention)
@@ -342,8 +342,8 @@ class PassRow:
     """A verify row's :attr:`ead_llm.core.types.Read.siblings`: a token beside each of its first drafts (the last
     ``read - 1`` tokens), each fed at its draft's position over the tokens before it, its keys written to the slots
     after the row's end (reserved by the scheduler, rolled back after the verdict); the logits after each are read
-    after the row's own. Read only where those slots are reserved and the row's blocks lie in order or in at most
-    :data:`MAX_STRETCHES` stretches (else none are, and :attr:`RunnerOutput.siblings` says so)."""
+    after the row's own. Read only where those slots are reserved (else none are, and :attr:`RunnerOutput.siblings`
+    says so)."""
 
 
 @dataclass
@@ -590,7 +590,7 @@ class ModelRunner:
         offsets: list[int] = []  # packed offset of each ordered row
         counts: list[int] = []
         alone: list[RowAttention] = []
-        gathered: tuple[list[int], list[int]] = ([], [])  # ordered indices of gathered decode / multi rows
+        gathered: dict[tuple[int, int], list[int]] = {}  # (padded length, width) -> ordered indices of its rows
         ends = [0] * len(rows)  # packed end of each row's own tokens, in rows order
         siblings = [0] * len(rows)  # siblings read for each row, in rows order
         at = 0
@@ -602,13 +602,12 @@ class ModelRunner:
             ordered.append(row)
             offsets.append(at)
             counts.append(count)
-            # the row's first block when its blocks up to ``end`` lie in order (read in place, slots in a range)
-            first = in_order(blocks, self.cache.blocks_for(end)) if count > 1 or only or end >= VIEW_MIN else None
-            extra = 0  # siblings: the row attended alone over its blocks in a few stretches, their keys after its end
-            if row.siblings and start and self._draft is None:
-                used = self.cache.blocks_for(end + len(row.siblings))  # reserved by the scheduler
-                if len(blocks) >= used and stretches(blocks, used, MAX_STRETCHES) is not None:
-                    extra = len(row.siblings)
+            # a multi-token row's first block when its blocks up to ``end`` lie in order (slots in a range)
+            first = in_order(blocks, self.cache.blocks_for(end)) if count > 1 else None
+            extra = 0  # siblings: their keys after the row's end, in slots the scheduler reserved
+            reach = end + len(row.siblings)
+            if row.siblings and start and self._draft is None and len(blocks) >= self.cache.blocks_for(reach):
+                extra = len(row.siblings)
             if count == 1:
                 ids.append(tokens[start])
                 positions.append(start)
@@ -625,19 +624,18 @@ class ModelRunner:
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
                 slots.extend(blocks[p // size] * size + p % size for p in range(end, end + extra))
-            unit = self._alone(row, at, count, first, only=only, extra=extra)
+            unit = self._alone(row, at, count, extra)
             if unit is not None:
                 alone.append(unit)
             else:
-                gathered[count > 1].append(b)
+                gathered.setdefault((-(-end // BUCKET) * BUCKET, count), []).append(b)
             ends[i] = at + count
             siblings[i] = extra
             at += count + extra
         inputs = upload([ids, positions, slots], torch.long, self.device)  # [3, T]
         groups = [
-            self._group([ordered[b] for b in part], [offsets[b] for b in part], [counts[b] for b in part], whole=only)
-            for part in gathered
-            if part
+            self._group([ordered[b] for b in part], [offsets[b] for b in part], length, width, whole=only)
+            for (length, width), part in gathered.items()
         ]
         batch = PackedBatch(
             cache=self.cache,
@@ -657,75 +655,66 @@ class ModelRunner:
                 keep.extend(range(end - row.read, end + extra))
         return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order, siblings
 
-    def _alone(
-        self, row: PassRow, offset: int, count: int, first: int | None, *, only: bool, extra: int = 0
-    ) -> RowAttention | None:
-        """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings; ``first``:
-        its first block when its blocks up to its end lie in order) is attended alone without copying its history,
-        if it can be: its history is all new, or it is long (or the only row, or it reads siblings) and its blocks
-        lie in order or in a few stretches; None: it is gathered with the others."""
+    def _alone(self, row: PassRow, offset: int, count: int, extra: int) -> RowAttention | None:
+        """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
+        attended alone: over the pass's own keys when its history is all new, else over its history in pieces of
+        :data:`SPLIT` positions; None for a short row (batched with others of its padded length and width)."""
         start = row.kv.length
         end = start + count
+        queries = slice(offset, offset + count + extra)
         if start == 0:
-            return RowAttention(slice(offset, offset + count), None, None)
-        if not only and not extra and end < VIEW_MIN:
+            return RowAttention(queries, None, None)
+        if not extra and end < VIEW_MIN:
             return None
-        size = self.cache.block_size
-        reach = end + extra  # the siblings' keys lie after the row's end
-        used = self.cache.blocks_for(reach)
-        whole = in_order(row.kv.blocks, used) if extra else first
-        if whole is not None:
-            spans: tuple[slice, ...] = (slice(whole * size, whole * size + reach),)
-        else:
-            runs = stretches(row.kv.blocks, used, MAX_STRETCHES)
-            if runs is None:
-                return None
-            spans = tuple(slice(block * size, (block + blocks) * size) for block, blocks in runs)
-            last = spans[-1]
-            spans = (*spans[:-1], slice(last.start, last.stop - (used * size - reach)))
         # each new token sees the positions up to its own (and each sibling those before its draft's, and itself)
         mask = tree_mask(start, end, row.read - 1, extra, self.device) if count > 1 or extra else None
-        return RowAttention(slice(offset, offset + count + extra), spans, mask)
+        return RowAttention(queries, self._pieces(row.kv.blocks, end + extra), mask)
 
-    def _group(self, rows: list[PassRow], offsets: list[int], counts: list[int], *, whole: bool) -> AttentionGroup:
-        """The attention of ``rows`` (whose ``counts`` packed tokens start at ``offsets``); ``whole``: they are
-        the only row of the pass."""
+    def _pieces(self, blocks: list[int], reach: int) -> tuple[slice | torch.Tensor, ...]:
+        """The flat slots of positions ``0..reach`` of a row with this block table, cut at every multiple of
+        :data:`SPLIT`: a range where the piece's blocks lie in order, else the slots themselves."""
+        size = self.cache.block_size
+        out: list[slice | torch.Tensor] = []
+        for begin in range(0, reach, SPLIT):
+            stop = min(begin + SPLIT, reach)
+            first = begin // size
+            used = self.cache.blocks_for(stop) - first
+            if in_order(blocks[first:], used) is not None:
+                base = (blocks[first] - first) * size
+                out.append(slice(base + begin, base + stop))
+            else:
+                slots = [blocks[p // size] * size + p % size for p in range(begin, stop)]
+                out.append(upload(slots, torch.long, self.device))
+        return tuple(out)
+
+    def _group(
+        self, rows: list[PassRow], offsets: list[int], length: int, width: int, *, whole: bool
+    ) -> AttentionGroup:
+        """The attention of short ``rows`` (whose ``width`` new tokens each are packed from ``offsets``), their keys
+        padded to ``length`` positions; ``whole``: they are the only row of the pass."""
         device, size = self.device, self.cache.block_size
-        starts = [row.kv.length for row in rows]
-        ends = [s + c for s, c in zip(starts, counts, strict=True)]
-        width, length = max(counts), max(ends)
-        used = self.cache.blocks_for(length)
-        tables = [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows]  # [B, M]
-        # one copy to the device for the group's per-row numbers, tables flattened after them
-        flat = [k for table in tables for k in table]
-        per_row = upload([*ends, *offsets, *counts, *starts, *flat], torch.long, device)
         b = len(rows)
-        end, offset, count, start = (per_row[k * b : (k + 1) * b] for k in range(4))
-        table = per_row[4 * b :].view(b, used)
+        starts = [row.kv.length for row in rows]
+        used = self.cache.blocks_for(length)
+        first = in_order(rows[0].kv.blocks, used) if b == 1 and len(rows[0].kv.blocks) >= used else None
+        tables = (
+            []
+            if first is not None
+            else [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows]
+        )
+        # one copy to the device for the group's per-row numbers, tables flattened after them
+        per_row = upload([*starts, *offsets, *(k for table in tables for k in table)], torch.long, device)
+        start, offset = per_row[:b], per_row[b : 2 * b]
         positions = torch.arange(length, device=device)
+        seen = start[:, None] + torch.arange(width, device=device)  # [B, W]: each new token's position
+        hidden = positions > seen[:, :, None]  # [B, W, L]
+        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None]
+        query_index = None if whole else offset[:, None] + torch.arange(width, device=device)
+        if first is not None:
+            return AttentionGroup(query_index, None, mask, slice(first * size, first * size + length))
+        table = per_row[2 * b :].view(b, used)
         # each row reads its own slots only: positions past its end repeat its last one (masked, but another
         # sequence's values there could be anything, and 0 * NaN is NaN)
-        own = torch.minimum(positions, end[:, None] - 1)  # [B, L]
+        own = torch.minimum(positions, seen[:, -1:])  # [B, L]
         key_slots = (table[:, :, None] * size + self._block_offsets).view(b, -1).gather(1, own)  # [B, L]
-        if width == 1:
-            mask = None
-            if min(ends) < length:  # some rows are shorter: hide the positions past their end
-                mask = (positions < end[:, None])[:, None, None, :]
-            if whole:
-                return AttentionGroup(None, key_slots, mask, None, None)
-            return AttentionGroup(offset[:, None], key_slots, mask, None, offset)
-        cols = torch.arange(width, device=device)
-        last = torch.minimum(cols[None, :], count[:, None] - 1)  # [B, W]
-        query_pos = start[:, None] + last  # [B, W]
-        mask = (positions[None, None, :] <= query_pos[:, :, None])[:, None]  # [B, 1, W, L]: causal, true positions
-        if whole:
-            return AttentionGroup(None, key_slots, mask, None, None)
-        query_index = offset[:, None] + last  # [B, W]
-        # the real (row, column) pairs, known on the host: no data-dependent nonzero on the device
-        real = upload(
-            [[r for r, c in enumerate(counts) for _ in range(c)], [j for c in counts for j in range(c)]],
-            torch.long,
-            device,
-        )
-        real_rows, real_cols = real[0], real[1]
-        return AttentionGroup(query_index, key_slots, mask, (real_rows, real_cols), query_index[real_rows, real_cols])
+        return AttentionGroup(query_index, key_slots, mask)

@@ -189,7 +189,8 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
     done = engine.generate([Request(p, LargeOnly(), SamplingParams(max_tokens=40)) for p in prompts])
     for prompt, completion in zip(prompts, done, strict=True):
         assert list(completion.token_ids) == hf_greedy(llama_pair, Role.LARGE, prompt, 40)
-    fresh = [u for u in units if u is not None and u.spans is None]
-    views = [u for u in units if u is not None and u.spans is not None]
+    fresh = [u for u in units if u is not None and u.pieces is None]
+    views = [u for u in units if u is not None and u.pieces is not None]
     assert len(fresh) == 4 and len(views) == len(units) - 4 >= 4 * 5
+    assert all(isinstance(piece, slice) for u in views for piece in u.pieces)  # no copies
     engine.close()

@@ -24,11 +24,9 @@ def _runner(pair: ModelPair) -> ModelRunner:
 def test_packed_passes_match_the_models_own_logits(
     pair: ModelPair, in_place: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Rows attended over views of their blocks (every row here, with room kept after each) and rows copied
-    into a batch (none here) give the model's own logits; so do prefills over the pass's own keys."""
+    """Rows attended alone over views of their blocks (every row here, with room kept after each) and rows batched
+    by padded length and width give the model's own logits; so do prefills over the pass's own keys."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
-    if not in_place:  # a last row alone would otherwise be read over views of its stretches
-        monkeypatch.setattr(model_runner, "MAX_STRETCHES", 1)
     alone = []
     original = ModelRunner._alone
     monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: alone.append(original(self, *a, **k)) or alone[-1])
@@ -54,10 +52,14 @@ def test_packed_passes_match_the_models_own_logits(
             got = out.rows(r)
             assert torch.allclose(got, want[i][target - got.shape[0] : target], atol=1e-4)
     assert all(kv.length == len(tokens) for kv, tokens in zip(kvs, seqs, strict=True))
-    fresh = sum(1 for unit in alone if unit is not None and unit.spans is None)
-    views = sum(1 for unit in alone if unit is not None and unit.spans is not None)
+    fresh = sum(1 for unit in alone if unit is not None and unit.pieces is None)
+    read = [unit for unit in alone if unit is not None and unit.pieces is not None]
+    batched = sum(1 for unit in alone if unit is None)
     assert fresh == len(seqs)  # the first pass: no history to read
-    assert views == (len(alone) - fresh if in_place else 0) and (views > 20 or not in_place)
+    if in_place:  # every row alone, over views
+        assert len(read) > 20 and batched == 0 and all(isinstance(p, slice) for unit in read for p in unit.pieces)
+    else:  # every row with history short: batched with those of its padded length and width
+        assert batched > 20 and not read
     # the model still runs outside the engine (its attention falls back to SDPA)
     assert runner.model.generate(torch.tensor([seqs[0][:3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
 
@@ -118,47 +120,53 @@ def test_a_row_must_feed_what_it_reads(llama_pair: ModelPair) -> None:
     assert "reads 3 positions but feeds 2" in str(out.failures[0])
 
 
-def test_stretches_of_a_block_table() -> None:
-    """A table's blocks in order are one stretch; out of order, each run of consecutive blocks is one, and a
-    table in more pieces than the limit has none (it is copied instead)."""
-    assert model_runner.stretches([5, 6, 7, 9], 3) == [(5, 3)]
-    assert model_runner.stretches([5, 6, 2, 3, 9], 5) == [(5, 2), (2, 2), (9, 1)]
-    assert model_runner.stretches([4, 3, 2, 1], 4, limit=3) is None
-    assert model_runner.stretches([4, 3, 2, 1], 4, limit=4) == [(4, 1), (3, 1), (2, 1), (1, 1)]
+def test_a_rows_history_is_cut_at_fixed_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of SPLIT positions whatever the block table: a range where a piece's blocks lie in order, else its
+    slots."""
+    monkeypatch.setattr(model_runner, "SPLIT", 8)
+    runner = object.__new__(ModelRunner)
+    runner.cache, runner.device = KVCache(1, block_size=4), torch.device("cpu")
+    pieces = runner._pieces([5, 6, 2, 3, 9], 19)  # positions 0-7 in blocks 5, 6; 8-15 in 2, 3; 16-18 in 9
+    assert pieces[:2] == (slice(20, 28), slice(8, 16)) and pieces[2] == slice(36, 39)
+    pieces = runner._pieces([5, 7, 8, 9], 14)  # 0-7: blocks 5 and 7, apart; 8-13: 8, 9
+    assert pieces[0].tolist() == [20, 21, 22, 23, 28, 29, 30, 31] and pieces[1] == slice(32, 38)
+    assert runner._pieces([1], 3) == (slice(4, 7),)
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("limit", [8, 2], ids=["views-of-stretches", "too-many-pieces"])
-def test_a_row_in_stretches_is_read_in_place(pair: ModelPair, limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A row whose blocks lie in several stretches (as a prompt that took cached blocks does) is attended over a
-    view of each, with no copy, and gives the model's own logits, one token at a time and three at a time; in
-    more pieces than the limit it is copied and gives the same."""
-    monkeypatch.setattr(model_runner, "MAX_STRETCHES", limit)
+@pytest.mark.parametrize("split", [512, 16], ids=["one-piece", "pieces-of-16"])
+def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
+    llama_pair: ModelPair, split: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row whose blocks lie in several stretches (as a prompt that took cached blocks does) gives the model's own
+    logits, one token at a time and three at a time, and the same bits as the same row in blocks in order: its
+    pieces are cut at the same positions, read over views where they lie in order, copied where not."""
+    monkeypatch.setattr(model_runner, "VIEW_MIN", 0)  # decode rows alone too, as long rows are
+    monkeypatch.setattr(model_runner, "SPLIT", split)
     units: list = []
     original = ModelRunner._alone
     monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
-    runner = _runner(pair)
+    runner = _runner(llama_pair)
     holder = SequenceKV()
     runner.cache.reserve(holder, 48)  # 12 blocks of 4, then handed out in three stretches
     held = holder.blocks
-    blocks = held[8:12] + held[0:3] + held[6:8] + held[3:6]  # positions 0-15, 16-27, 28-35, 36-47
-    tokens = torch.randint(4, pair.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
-    want = runner.model(input_ids=torch.tensor([tokens])).logits[0, :, : pair.vocab_size].float()
-    kv = SequenceKV(blocks=list(blocks))
-    runner.execute([PassRow(kv, tokens[:12])])
+    scattered = held[8:12] + held[0:3] + held[6:8] + held[3:6]  # positions 0-15, 16-27, 28-35, 36-47
+    in_order = SequenceKV()
+    runner.cache.reserve(in_order, 48)
+    tokens = torch.randint(4, llama_pair.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    want = runner.model(input_ids=torch.tensor([tokens])).logits[0, :, : llama_pair.vocab_size].float()
+    kvs = [SequenceKV(blocks=list(scattered)), in_order]
+    for kv in kvs:
+        runner.execute([PassRow(kv, tokens[:12])])
     end = 12
-    ends = []
     while end < len(tokens):
-        step = 1 if end < 26 else 3
-        end = min(len(tokens), end + step)
-        ends.append(end)
-        got = runner.execute([PassRow(kv, tokens[:end], read=end - kv.length)]).rows(0)
-        assert torch.allclose(got, want[end - got.shape[0] : end], atol=1e-4)
-    assert units[0].spans is None  # the prefill attends over its own keys
-    pieces = [1 if e <= 16 else 2 if e <= 28 else 3 if e <= 36 else 4 for e in ends]
-    assert max(pieces) == 4
-    # every later pass over a view of each stretch, or, in more pieces than the limit, copied as before
-    assert [None if u is None else len(u.spans) for u in units[1:]] == [p if p <= limit else None for p in pieces]
+        end = min(len(tokens), end + (1 if end < 26 else 3))
+        got = [runner.execute([PassRow(kv, tokens[:end], read=end - kv.length)]).rows(0) for kv in kvs]
+        assert torch.allclose(got[0], want[end - got[0].shape[0] : end], atol=1e-4)
+        assert torch.equal(got[0], got[1])
+    assert units[0].pieces is None  # the prefill attends over its own keys
+    copied = [p for u in units[2::2] for p in u.pieces if isinstance(p, torch.Tensor)]
+    assert copied and all(isinstance(p, slice) for u in units[3::2] for p in u.pieces)
 
 
 def _reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -172,9 +180,9 @@ def _reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
 @torch.inference_mode()
 @pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["grouped", "one-per-head"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_query_over_views_and_stretches(heads: tuple[int, int], dtype: torch.dtype) -> None:
-    """One decode query over a view of a head-major cache and over stretches of it (merged by each stretch's
-    log-sum-exp, a stretch as short as one position) gives plain attention over the joined positions."""
+def test_a_decode_query_over_views_and_pieces(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """One decode query over a view of a head-major cache and over pieces of it (merged by each piece's
+    log-sum-exp, a piece as short as one position) gives plain attention over the joined positions."""
     query_heads, kv_heads = heads
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(kv_heads, 300, 64, generator=gen).to(dtype)  # [Hkv, slots, D], as the cache stores them
@@ -202,19 +210,20 @@ def test_a_pass_writes_its_slots_as_a_range_only_where_they_are_consecutive() ->
     assert model_runner.consecutive([9, 5]) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (2026-12-05): a short row decoding beside others is attended in a gathered, padded group "
-    "(SDPA with a mask over the longest row's keys), alone over a view of its own keys; the two sum in another order "
-    "and its logits differ in the last bits (about 6e-6 here), so a near-tie can flip a greedy token with the batch",
-)
 @torch.inference_mode()
-def test_a_rows_decode_logits_are_the_same_alone_and_beside_other_rows(llama_pair: ModelPair) -> None:
-    """Rows of several lengths prefilled together, then one decode pass (1 and 4 positions read): each row's logits
-    are those it gets when it runs the same two passes alone."""
+@pytest.mark.parametrize("view_min", [512, 100], ids=["short-rows", "some-rows-alone"])
+def test_a_rows_decode_logits_are_the_same_alone_and_beside_other_rows(
+    llama_pair: ModelPair, view_min: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of several lengths (in several padded lengths, some past VIEW_MIN) prefilled together, then one decode
+    pass (1 and 4 positions read): each row's logits are the bits it gets when it runs the same two passes alone,
+    where its blocks lie elsewhere."""
+    monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
+    monkeypatch.setattr(model_runner, "SPLIT", 64)
     loaded = llama_pair.model(Role.LARGE)
     gen = torch.Generator().manual_seed(0)
-    rows = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (12, 30, 7, 45, 20)]
+    lengths = (5, 17, 30, 44, 9, 12, 30, 7, 45, 20, 127, 131, 200)
+    rows = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
     def run(texts: list[list[int]], read: int) -> list[torch.Tensor]:
         runner = ModelRunner(
@@ -234,3 +243,26 @@ def test_a_rows_decode_logits_are_the_same_alone_and_beside_other_rows(llama_pai
         together = run(rows, read)
         for i, text in enumerate(rows):
             assert torch.equal(run([text], read)[0], together[i])
+
+
+@torch.inference_mode()
+def test_a_row_alone_reads_finite_numbers_past_its_end_whatever_its_blocks_held(llama_pair: ModelPair) -> None:
+    """A row alone is read over a view padded to its last block's end (masked). Blocks a broken sequence left full
+    of NaN are zeroed when handed out again, so the next holder's logits are the model's own."""
+    runner = _runner(llama_pair)
+    broken = SequenceKV()
+    runner.cache.reserve(broken, 64)
+    runner.execute([PassRow(broken, list(range(4, 68)))])
+    for tensor in (*runner.cache.keys, *runner.cache.values):
+        tensor.fill_(float("nan"))  # whatever it left, storage included
+    left = set(broken.blocks)
+    runner.cache.free(broken)
+    tokens = torch.randint(4, llama_pair.vocab_size, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+    want = runner.model(input_ids=torch.tensor([tokens])).logits[0, :, : llama_pair.vocab_size].float()
+    kv = SequenceKV()
+    runner.cache.reserve(kv, model_runner.BUCKET)  # blocks up to the padded length: read over a view
+    assert set(kv.blocks) <= left
+    runner.execute([PassRow(kv, tokens[:6])])
+    for end in range(7, len(tokens) + 1):  # one row alone, decoding, 10 positions in blocks of 4
+        got = runner.execute([PassRow(kv, tokens[:end])]).rows(0)[-1]
+        assert torch.allclose(got, want[end - 1], atol=1e-4)
