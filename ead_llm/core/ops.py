@@ -13,14 +13,33 @@ TINY = 1e-30
 """The smallest temperature divided by (a smaller one is as greedy and would overflow float32)."""
 
 
+ROW_PIECE = 128
+""":func:`row_sum` adds a row up in pieces of this many values."""
+
+
+def row_sum(values: torch.Tensor, dtype: torch.dtype | None = None, *, skip_nan: bool = False) -> torch.Tensor:
+    """The sums over the last dimension of ``values`` ``[..., V]`` (in ``dtype``; ``skip_nan``: NaN counts as 0),
+    the same bits for a row whatever rows are summed with it and however many threads torch runs. (torch sums the
+    one row of a one-row call split across its threads, and the rows of a batch one per thread, in two orders.)
+    Here each piece of :data:`ROW_PIECE` values is summed on its own, then the pieces' sums, then the rest."""
+    add = torch.nansum if skip_nan else torch.sum
+    full = values.shape[-1] // ROW_PIECE * ROW_PIECE
+    pieces = values[..., :full].unflatten(-1, (-1, ROW_PIECE))
+    total = add(add(pieces, dim=-1, dtype=dtype), dim=-1)
+    if full < values.shape[-1]:
+        total = total + add(values[..., full:], dim=-1, dtype=dtype)
+    return total
+
+
 def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
     """Shannon entropy in bits of ``softmax(logits)`` over the last dimension.
 
-    ``logits``: [..., V] raw logits (before temperature); returns [...] float32.
-    ``-inf`` logits (masked tokens) contribute nothing (their ``0 * -inf`` terms are skipped).
+    ``logits``: [..., V] raw logits (before temperature); returns [...] float32, the same bits for a row alone or in
+    a batch (:func:`row_sum`). ``-inf`` logits (masked tokens) contribute nothing (their ``0 * -inf`` terms are
+    skipped).
     """
     logp = torch.log_softmax(logits.float(), dim=-1)  # [..., V]
-    return -(logp.exp() * logp).nansum(dim=-1) * LOG2E
+    return -row_sum(logp.exp() * logp, skip_nan=True) * LOG2E
 
 
 def apply_temperature(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
@@ -152,7 +171,7 @@ def kept_floor(
         if max_top_k:
             whole = torch.where(whole >= floor[spill, None], whole, -torch.inf)
         whole_weights = torch.exp(whole)
-        total[spill] = whole_weights.sum(-1, dtype=torch.float64)
+        total[spill] = row_sum(whole_weights, torch.float64)
     nucleus = _nucleus_floor(given, weights, total, top_p)
     nucleus = torch.where(torch.isnan(nucleus) & (own >= vocab), -torch.inf, nucleus)  # a small vocabulary: all
     deeper = torch.isnan(nucleus).nonzero().flatten()  # rows whose nucleus reaches past their candidates
@@ -178,7 +197,7 @@ def _sorted_nucleus(
     """The nucleus floor of ``rows`` ``[R, V]`` read off the rows sorted whole, over their values at or above
     ``floor``, against ``total`` (None: the sorted weights' own sum); -inf where nothing is dropped."""
     given, weights = _head(sorted_descending(rows), torch.full_like(floor, rows.shape[-1], dtype=torch.int64), floor)
-    edge = _nucleus_floor(given, weights, weights.sum(-1, dtype=torch.float64) if total is None else total, top_p)
+    edge = _nucleus_floor(given, weights, row_sum(weights, torch.float64) if total is None else total, top_p)
     return torch.where(torch.isnan(edge), -torch.inf, edge)
 
 

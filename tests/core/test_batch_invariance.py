@@ -35,14 +35,17 @@ def _same(a: Completion, b: Completion) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name + ("_adaptive" if p.name == "speculative" else ""))
 @pytest.mark.parametrize("view_min", [512, 24], ids=["short-rows", "long-rows-in-pieces"])
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
 def test_a_requests_numbers_are_the_same_bits_alone_and_in_a_batch(
-    llama_pair: ModelPair, policy: Policy, view_min: int, monkeypatch: pytest.MonkeyPatch
+    llama_pair: ModelPair, policy: Policy, view_min: int, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Five prompts of several lengths, sampled at temperature 1: each alone, then all five in one call (their
     passes shared, their blocks interleaved), then in the other order. With VIEW_MIN 24 and pieces of 16 positions,
-    most rows are attended alone in pieces, some copied, some over views."""
+    most rows are attended alone in pieces, some copied, some over views. torch runs 1 or 2 threads."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
     monkeypatch.setattr(model_runner, "SPLIT", 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # before the engine's thread starts, which takes the setting then
     engine = Engine(llama_pair, return_hidden_states=True)
     engine.prefix_caching = False  # a hit changes how a prompt's last positions are attended: see the docstring
     gen = torch.Generator().manual_seed(4)
@@ -54,6 +57,7 @@ def test_a_requests_numbers_are_the_same_bits_alone_and_in_a_batch(
         backwards = engine.generate([Request(p, policy, params) for p in reversed(prompts)])[::-1]
     finally:
         engine.close()
+        torch.set_num_threads(before)
     for a, b, c in zip(alone, together, backwards, strict=True):
         _same(a, b)
         _same(a, c)
