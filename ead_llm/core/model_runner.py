@@ -7,9 +7,10 @@ together. Attention is the only part that needs each row's history: the model's 
 call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
 each row over its own positions: a row whose history is all new (a prefill) over the pass's own keys with a
-causal kernel; short decode rows (one batched call costs less than one each) copied into ``[B, H, 1, L]`` calls,
-one per padded length (:data:`BUCKET`); every other row alone, its history cut at fixed positions (:data:`SPLIT`),
-each piece read over a view where its blocks lie in order (the cache keeps room for that), else copied. Each
+causal kernel; short rows (one batched call costs less than one each) copied into ``[B, H, W, L]`` calls, one per
+padded length (:data:`BUCKET`) and width, a row alone in its call read over a view of its blocks where they lie in
+order (the cache keeps room for that); long rows and rows with siblings alone, their history cut at fixed positions
+(:data:`SPLIT`), each piece read over a view where its blocks lie in order, else copied. Each
 row's attention runs over shapes that depend on that row alone, so its logits are the same bits whatever other
 rows share the pass and wherever its blocks lie. The model's head runs only at the positions
 someone reads (``logits_to_keep``), so a 2,000-token prefill returns one row of logits, not 2,000.
@@ -59,8 +60,8 @@ class AttentionGroup:
     """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position); None with
     ``span``."""
     mask: torch.Tensor
-    """[B, 1, W, L] float: 0 where a new token sees a position (its own and those before), -inf elsewhere (built once
-    for all layers; a bool mask is converted in every call)."""
+    """[B, 1, W, L] in the cache's dtype: 0 where a new token sees a position (its own and those before), -inf
+    elsewhere (built once for all layers; a bool mask is converted in every call)."""
     span: slice | None = None
     """For a group of one row whose blocks lie in order: the flat slots of its padded positions, read over a view
     (past its end: the rest of its own last block, zeroed when handed out; masked)."""
@@ -78,8 +79,8 @@ BUCKET = 16
 rows padded to the same length and feeding as many tokens: the attention kernel's sums then run over shapes that
 depend on the row alone, so its logits are the same bits whatever rows share its pass. (The kernel's arithmetic on
 one batch entry does not depend on the others; its vector tails and matrix-product blocking depend on the length and
-the number of queries.) A multiple of the block size, so that a row alone is read over a view of its own blocks
-(zeroed when handed out) without a copy."""
+the number of queries.) The default block size, so that a row alone in its call is read over a view of its own
+blocks (zeroed when handed out) without a copy; with smaller blocks, only where its blocks reach that far."""
 
 SPLIT = 2048
 """A row attended alone is split at every multiple of this many positions: each piece is read over a view where its
@@ -460,6 +461,7 @@ class ModelRunner:
             self.model.set_attn_implementation(ATTENTION)
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
         self._block_offsets = torch.arange(cache.block_size, device=device)
+        self._edges = torch.zeros(0, device=device)
 
     def keep_features(self, source: str) -> None:
         """Store every position's final hidden state in the cache, for a draft that reads them."""
@@ -690,6 +692,22 @@ class ModelRunner:
                 out.append(upload(slots, torch.long, self.device))
         return tuple(out)
 
+    def _mask_dtype(self) -> torch.dtype:
+        """The cache's dtype (an additive mask in the queries' dtype runs on every SDPA backend)."""
+        keys = self.cache.keys[0]
+        return torch.float32 if keys is None else keys.dtype
+
+    def _decode_mask(self, end: int, length: int) -> torch.Tensor:
+        """``[1, 1, 1, length]`` float: 0 before ``end``, -inf from it (a view of one kept row, the same numbers
+        :meth:`_group` builds)."""
+        dtype = self._mask_dtype()
+        if self._edges.shape[0] < 2 * length or self._edges.dtype != dtype:
+            size = max(2 * length, 2 * self._edges.shape[0])
+            self._edges = torch.zeros(size, dtype=dtype, device=self.device)
+            self._edges[size // 2 :] = float("-inf")
+        middle = self._edges.shape[0] // 2
+        return self._edges[middle - end : middle - end + length].view(1, 1, 1, length)
+
     def _group(
         self, rows: list[PassRow], offsets: list[int], length: int, width: int, *, whole: bool
     ) -> AttentionGroup:
@@ -700,6 +718,9 @@ class ModelRunner:
         starts = [row.kv.length for row in rows]
         used = self.cache.blocks_for(length)
         first = in_order(rows[0].kv.blocks, used) if b == 1 and len(rows[0].kv.blocks) >= used else None
+        if first is not None and whole and width == 1:  # one decode row (batch 1's every step): nothing to build
+            span = slice(first * size, first * size + length)
+            return AttentionGroup(None, None, self._decode_mask(starts[0] + 1, length), span)
         tables = (
             []
             if first is not None
@@ -711,7 +732,8 @@ class ModelRunner:
         positions = torch.arange(length, device=device)
         seen = start[:, None] + torch.arange(width, device=device)  # [B, W]: each new token's position
         hidden = positions > seen[:, :, None]  # [B, W, L]
-        mask = torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))[:, None]
+        mask = torch.zeros(hidden.shape, dtype=self._mask_dtype(), device=device).masked_fill_(hidden, float("-inf"))
+        mask = mask[:, None]
         query_index = None if whole else offset[:, None] + torch.arange(width, device=device)
         if first is not None:
             return AttentionGroup(query_index, None, mask, slice(first * size, first * size + length))
