@@ -17,18 +17,26 @@ ROW_PIECE = 128
 """:func:`row_sum` adds a row up in pieces of this many values."""
 
 
+def piece_sums(
+    values: torch.Tensor, size: int, dtype: torch.dtype | None = None, *, skip_nan: bool = False
+) -> torch.Tensor:
+    """The sum of each piece of ``size`` values along the last dimension of ``values`` ``[..., V]`` (the last piece
+    shorter): ``[..., ceil(V / size)]`` in ``dtype`` (``skip_nan``: NaN counts as 0). Each piece is summed on its own,
+    in one thread, so its bits depend on nothing else in the call."""
+    add = torch.nansum if skip_nan else torch.sum
+    full = values.shape[-1] // size * size
+    sums = add(values[..., :full].reshape(*values.shape[:-1], -1, size), dim=-1, dtype=dtype)
+    if full < values.shape[-1]:
+        sums = torch.cat([sums, add(values[..., full:], dim=-1, keepdim=True, dtype=dtype)], dim=-1)
+    return sums
+
+
 def row_sum(values: torch.Tensor, dtype: torch.dtype | None = None, *, skip_nan: bool = False) -> torch.Tensor:
     """The sums over the last dimension of ``values`` ``[..., V]`` (in ``dtype``; ``skip_nan``: NaN counts as 0),
     the same bits for a row whatever rows are summed with it and however many threads torch runs. (torch sums the
     one row of a one-row call split across its threads, and the rows of a batch one per thread, in two orders.)
-    Here each piece of :data:`ROW_PIECE` values is summed on its own, then the pieces' sums, then the rest."""
-    add = torch.nansum if skip_nan else torch.sum
-    full = values.shape[-1] // ROW_PIECE * ROW_PIECE
-    pieces = values[..., :full].unflatten(-1, (-1, ROW_PIECE))
-    total = add(add(pieces, dim=-1, dtype=dtype), dim=-1)
-    if full < values.shape[-1]:
-        total = total + add(values[..., full:], dim=-1, dtype=dtype)
-    return total
+    Here the row's :func:`piece_sums` of :data:`ROW_PIECE` values, then those (too few to split)."""
+    return piece_sums(values, ROW_PIECE, dtype, skip_nan=skip_nan).sum(-1)
 
 
 def entropy_bits(logits: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from ead_llm.core.ops import (
     candidate_width,
     entropy_bits,
     kept_floor,
+    piece_sums,
     sorts_whole_rows,
     top_k_entropy_nats,
 )
@@ -99,10 +100,7 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rows, vocab = weights.shape
     if vocab <= CHUNK:
         return _draw_in(weights.to(torch.float64), u * weights.sum(-1, dtype=torch.float64)[:, None])
-    full = vocab // CHUNK
-    sums = weights[:, : full * CHUNK].reshape(rows, full, CHUNK).sum(-1, dtype=torch.float64)  # [B, C]
-    if full * CHUNK < vocab:
-        sums = torch.cat([sums, weights[:, full * CHUNK :].sum(-1, keepdim=True, dtype=torch.float64)], dim=1)
+    sums = piece_sums(weights, CHUNK, torch.float64)  # [B, C]
     before = torch.cumsum(sums, dim=-1) - sums  # [B, C] mass of the chunks before each
     target = u * (before[:, -1:] + sums[:, -1:])  # [B, D]
     chunk = _draw_in(sums, target)  # [B, D]
