@@ -546,7 +546,9 @@ def _fit(storage: torch.Tensor | None, capacity: int, like: torch.Tensor) -> tor
     if storage is not None and storage.shape[1] >= capacity:
         return storage
     heads, dim = like.shape[1], like.shape[2]
-    grown = torch.zeros((heads, capacity, dim), dtype=like.dtype, device=like.device)
+    grown = torch.empty((heads, capacity, dim), dtype=like.dtype, device=like.device)
+    kept = 0 if storage is None else storage.shape[1]
     if storage is not None:
-        grown[:, : storage.shape[1]] = storage
+        grown[:, :kept] = storage
+    grown[:, kept:].zero_()  # slots never written read as 0 (see KVCache._clear)
     return grown
