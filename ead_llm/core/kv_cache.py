@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -513,11 +513,15 @@ class KVCache:
             out.append(picked.view(heads, batch, length, dim).transpose(0, 1))
         return out[0], out[1]
 
+    def slots(self, blocks: Sequence[int], positions: Iterable[int]) -> list[int]:
+        """The flat slots of ``positions`` of a sequence with this block table."""
+        size = self.block_size
+        return [blocks[p // size] * size + p % size for p in positions]
+
     def move(self, seq: SequenceKV, source: int, target: int) -> None:
         """Copy what position ``source`` of ``seq`` holds (every layer's keys and values, and its features) to
         position ``target`` (a block ``seq`` wrote this step: its own)."""
-        size = self.block_size
-        slots = [seq.blocks[p // size] * size + p % size for p in (source, target)]
+        slots = self.slots(seq.blocks, (source, target))
         for tensors in (self.keys, self.values, self.features):
             for tensor in tensors:
                 if tensor is not None:

@@ -266,10 +266,9 @@ class PackedBatch:
         """Each row's stored keys ``[L_r, H, D]`` (positions 0..end), in packed order; for test models."""
         keys = self.cache.keys[layer]
         assert keys is not None
-        size = self.cache.block_size
         out = []
         for blocks, start, count in zip(self.blocks, self.starts, self.counts, strict=True):
-            slots = [blocks[p // size] * size + p % size for p in range(start + count)]
+            slots = self.cache.slots(blocks, range(start + count))
             out.append(keys[:, upload(slots, torch.long, keys.device)].transpose(0, 1))
         return out
 
@@ -623,12 +622,12 @@ class ModelRunner:
                 if first is not None:
                     slots.extend(range(first * size + start, first * size + end))
                 else:
-                    slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
+                    slots.extend(self.cache.slots(blocks, range(start, end)))
             if extra:  # sibling d at draft d's position, its keys at slot end + d
                 drafts = row.read - 1
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
-                slots.extend(blocks[p // size] * size + p % size for p in range(end, end + extra))
+                slots.extend(self.cache.slots(blocks, range(end, end + extra)))
             unit = self._alone(row, at, count, extra)
             if unit is not None:
                 alone.append(unit)
@@ -688,8 +687,7 @@ class ModelRunner:
                 base = (blocks[first] - first) * size
                 out.append(slice(base + begin, base + stop))
             else:
-                slots = [blocks[p // size] * size + p % size for p in range(begin, stop)]
-                out.append(upload(slots, torch.long, self.device))
+                out.append(upload(self.cache.slots(blocks, range(begin, stop)), torch.long, self.device))
         return tuple(out)
 
     def _mask_dtype(self) -> torch.dtype:
