@@ -716,12 +716,12 @@ class ModelRunner:
         starts = [row.kv.length for row in rows]
         used = self.cache.blocks_for(length)
         first = in_order(rows[0].kv.blocks, used) if b == 1 and len(rows[0].kv.blocks) >= used else None
-        if first is not None and whole and width == 1:  # one decode row (batch 1's every step): nothing to build
-            span = slice(first * size, first * size + length)
+        span = None if first is None else slice(first * size, first * size + length)  # one row, read over a view
+        if span is not None and whole and width == 1:  # one decode row (batch 1's every step): nothing to build
             return AttentionGroup(None, None, self._decode_mask(starts[0] + 1, length), span)
         tables = (
             []
-            if first is not None
+            if span is not None
             else [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows]
         )
         # one copy to the device for the group's per-row numbers, tables flattened after them
@@ -733,8 +733,8 @@ class ModelRunner:
         mask = torch.zeros(hidden.shape, dtype=self._mask_dtype(), device=device).masked_fill_(hidden, float("-inf"))
         mask = mask[:, None]
         query_index = None if whole else offset[:, None] + torch.arange(width, device=device)
-        if first is not None:
-            return AttentionGroup(query_index, None, mask, slice(first * size, first * size + length))
+        if span is not None:
+            return AttentionGroup(query_index, None, mask, span)
         table = per_row[2 * b :].view(b, used)
         # each row reads its own slots only: positions past its end repeat its last one (masked, but another
         # sequence's values there could be anything, and 0 * NaN is NaN)
