@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from ead_llm import EAD, LargeOnly, SpeculativeDecoding
+from ead_llm.adapters.prompts import render
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.request import Request, SamplingParams
@@ -29,11 +30,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     args = parser.parse_args()
     pair = load_pair(LoadConfig(small=str(smollm2.fast_draft()), large=str(smollm2.full_model()), device="cpu"))
-    texts = [
-        pair.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        for q in smollm2.unseen_questions(args.prompts)
-    ]
-    prompts = [pair.tokenizer.encode(text, add_special_tokens=False) for text in texts]
+    prompts = [render(pair.tokenizer, [("user", q)], "chat") for q in smollm2.unseen_questions(args.prompts)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0, seed=5)
     for threads in args.threads:
         torch.set_num_threads(threads)  # before the engine's thread starts
