@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one torch thread each, for the
     os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start too (threads spinning on one core slow 10x)
@@ -13,6 +14,7 @@ import torch
 
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, ModelPair, load_pair
+from ead_llm.core.model_runner import ModelRunner, PackedBatch
 from ead_llm.testing.tiny import build_tiny_pair, byte_bpe_tokenizer
 from tests.tiny_pairs import BPE_CORPUS
 
@@ -50,3 +52,18 @@ def pair(request: pytest.FixtureRequest) -> ModelPair:
 @pytest.fixture(scope="session")
 def engine(pair: ModelPair) -> Engine:
     return Engine(pair)
+
+
+@pytest.fixture
+def packed(monkeypatch: pytest.MonkeyPatch) -> list[PackedBatch]:
+    """Every packed batch the runners build during the test (what each query attends to), in order."""
+    batches: list[PackedBatch] = []
+    original = ModelRunner._pack
+
+    def pack(self: ModelRunner, rows: Any) -> Any:
+        out = original(self, rows)
+        batches.append(out[0])
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_pack", pack)
+    return batches

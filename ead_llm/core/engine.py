@@ -67,10 +67,9 @@ class Engine(Frontend):
     and holds at most ``kv_budget_tokens`` positions (None: grows as needed), so memory follows the
     tokens actually held. With ``return_hidden_states``, each completion (its last event) carries the large model's
     final hidden states at the positions fed to it (SGLang's ``return_hidden_states``; a Llama-family large model).
-    A sequence's randomness is its own (its seed, stream and position), so its
-    text does not depend on what else runs; in float32 greedy text does not either. In bfloat16,
-    passes of different shapes (a batch, a verification) round differently and near-ties can flip
-    (see the README's figures).
+    A sequence's randomness is its own (its seed, stream and position), so its text does not depend on what else
+    runs; in float32 greedy text does not either (``exact_verification``: :attr:`Frontend.exact_verification`).
+    In bfloat16, passes of different shapes (a batch, a verification) round differently and near-ties can flip.
     """
 
     def __init__(
@@ -81,6 +80,7 @@ class Engine(Frontend):
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         return_hidden_states: bool = False,
+        exact_verification: bool = False,
     ) -> None:
         self.pair = pair
         self.tokenizer = pair.tokenizer
@@ -107,6 +107,7 @@ class Engine(Frontend):
         }
         if self.runners[Role.SMALL].reads_features or return_hidden_states:  # a draft reads them (EAGLE-style)
             self.runners[Role.LARGE].keep_features(pair.large.info.source)
+        self.exact_verification = exact_verification
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         if return_hidden_states:

@@ -7,13 +7,15 @@ together. Attention is the only part that needs each row's history: the model's 
 call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
 each row over its own positions: a row whose history is all new (a prefill) over the pass's own keys with a
-causal kernel; short rows (one batched call costs less than one each) copied into ``[B, H, W, L]`` calls, one per
-padded length (:data:`BUCKET`) and width, a row alone in its call read over a view of its blocks where they lie in
-order (the cache keeps room for that); long rows and rows with siblings alone, their history cut at fixed positions
-(:data:`SPLIT`), each piece read over a view where its blocks lie in order, else copied. Each
-row's attention runs over shapes that depend on that row alone, so its logits are the same bits whatever other
-rows share the pass and wherever its blocks lie. The model's head runs only at the positions
-someone reads (``logits_to_keep``), so a 2,000-token prefill returns one row of logits, not 2,000.
+causal kernel; each short decode row's query batched with those of the same padded length (:data:`BUCKET`), a
+row alone in its call read over a view of its blocks where they lie in order (the cache keeps room for that);
+long decode rows, and rows feeding several tokens (a verification, a catch-up), alone, their history cut at fixed
+positions (:data:`SPLIT`), each piece read over a view where its blocks lie in order, else copied. Each row's
+attention runs over shapes that depend on that row alone, so its logits are the same bits whatever other rows share
+the pass and wherever its blocks lie. With exact verification (:data:`AS_DECODE_MAX`) a verification's or
+catch-up's tokens are each attended as a one-token decode step would be, so its logits are a decode step's bits.
+The model's head runs only at the positions someone reads (``logits_to_keep``), so a 2,000-token prefill returns
+one row of logits, not 2,000.
 
 Llama-family models (Llama, Mistral, Qwen2) run through a lean forward of their own weights
 (:mod:`ead_llm.core.fused_llama`) that calls the same paged attention; other models through
@@ -51,20 +53,37 @@ engine's packed passes, transformers' SDPA for any other call (``model.generate`
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Short rows of a pass attended together, each feeding as many new tokens as the others, their keys padded to
-    the same length: copied into one batch, or read over a view for a row alone whose blocks lie in order."""
+    """Queries of a pass attended together, each as a decode step at its position would be (one query over its row's
+    keys padded to the same length): one per short decode row (their keys copied into one batch, or read over a view
+    for a row alone whose blocks lie in order), or the queries of one row's verification or catch-up (its keys read
+    once, over a view where its blocks lie in order, and shared by them)."""
 
     query_index: torch.Tensor | None
-    """[B, W] packed index of each row's new tokens; None when the group is one row holding the whole pass."""
+    """[B, 1] packed index of each query; None when the group holds every query of the pass, in packed order."""
     key_slots: torch.Tensor | None
-    """[B, L] flat KV slot of each row's positions 0..L-1 (past a row's end: its last position); None with
-    ``span``."""
+    """[B, L] flat KV slot of each query's positions 0..L-1 (past its end: its row's last position), or [1, L] when
+    the queries share one row's keys; None with ``span``."""
     mask: torch.Tensor
-    """[B, 1, W, L] in the cache's dtype: 0 where a new token sees a position (its own and those before), -inf
-    elsewhere (built once for all layers; a bool mask is converted in every call)."""
+    """[B, 1, 1, L] in the cache's dtype: 0 where a query sees a position (its own and those before), -inf elsewhere
+    (built once for all layers; a bool mask is converted in every call)."""
     span: slice | None = None
-    """For a group of one row whose blocks lie in order: the flat slots of its padded positions, read over a view
+    """For queries of one row whose blocks lie in order: the flat slots of its padded positions, read over a view
     (past its end: the rest of its own last block, zeroed when handed out; masked)."""
+
+
+@dataclass(frozen=True)
+class Queries:
+    """A short row's consecutive new tokens attended in a group: one for a decode step (or a token of an exact
+    verification, attended as a decode step at its position would be), or all of a row's when they attend together
+    under one mask (batched with rows of the same padded length feeding as many)."""
+
+    index: int
+    """The first one's packed position."""
+    end: int
+    """Positions the first one sees, its own included (each next one sees one more)."""
+    width: int = 1
+    own: int | None = None
+    """A sibling's flat slot, where its own keys lie instead of at position ``end - 1``."""
 
 
 VIEW_MIN = 512
@@ -81,6 +100,19 @@ depend on the row alone, so its logits are the same bits whatever rows share its
 one batch entry does not depend on the others; its vector tails and matrix-product blocking depend on the length and
 the number of queries.) The default block size, so that a row alone in its call is read over a view of its own
 blocks (zeroed when handed out) without a copy; with smaller blocks, only where its blocks reach that far."""
+
+AS_DECODE_MAX = 32
+"""With :attr:`ModelRunner.as_decode_max` set to this (``Engine(exact_verification=True)``), a row feeding up to this
+many tokens (its siblings counted) over a history (a verification, a catch-up, a prompt's last positions after a
+cached prefix), or drafts after its prompt, attends each one as a one-token decode step at its position would: one
+query over the row's keys padded as a decode pads them, its sums in a decode's order. A verification's logits are
+then a decode step's to the last bit, and greedy speculative decoding is LargeOnly's whatever the near-ties. The
+queries of one row share its keys (one view, or one copy, for all of them), but the CPU's attention kernel costs
+about 7 us more per query than with the row's queries in one call: on the embedded pair (one thread, A/B against
+the default, twice), speculative decoding at gamma 4 ran 2-5% slower one request at a time and 19-23% at 16 rows,
+EAD 3-7%. So it is off by default: a row's new tokens (past one) then attend together, as a prefill's do (a short
+row's batched with rows of its padded length feeding as many), and round differently from a decode step in the
+last bits."""
 
 SPLIT = 2048
 """A row attended alone is split at every multiple of this many positions: each piece is read over a view where its
@@ -224,17 +256,21 @@ class PackedBatch:
         layer = int(module.layer_idx)  # type: ignore[arg-type]
         if not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
             return self._attend_row(layer, self.alone[0], query, scaling).transpose(1, 2)
-        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # one short row
+        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # every query, in order
             group = self.groups[0]
-            keys, values = self._keys(layer, 0, group)
-            return attention(query, keys, values, group.mask, scaling).transpose(1, 2)
+            _, heads, tokens, dim = query.shape
+            entries, width = group.mask.shape[0], group.mask.shape[2]  # B entries of W consecutive tokens each
+            keys, values = self._keys(layer, 0, group, entries)
+            rows_q = query[0].view(heads, entries, width, dim).transpose(0, 1)  # [B, H, W, D]
+            out = attention(rows_q, keys, values, group.mask, scaling)
+            return out.transpose(1, 2).reshape(1, tokens, heads, dim)
         q = query[0].transpose(0, 1)  # [T, H, D]
         out = torch.empty_like(q)
         for row in self.alone:
             out[row.queries] = self._attend_row(layer, row, query, scaling)[0].transpose(0, 1)
         for index, group in enumerate(self.groups):
-            keys, values = self._keys(layer, index, group)  # [B, Hkv, L, D]
             assert group.query_index is not None
+            keys, values = self._keys(layer, index, group, group.query_index.shape[0])  # [B, Hkv, L, D]
             rows_q = q[group.query_index].transpose(1, 2)  # [B, H, W, D]
             out[group.query_index] = attention(rows_q, keys, values, group.mask, scaling).transpose(1, 2)
         return out.unsqueeze(0)
@@ -253,13 +289,17 @@ class PackedBatch:
             return attention(rows_q, *pieces[0], row.mask, scaling)
         return split_attention(rows_q, pieces, row.mask, scaling)
 
-    def _keys(self, layer: int, index: int, group: AttentionGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Group ``index``'s keys and values ``[B, Hkv, L, D]`` at ``layer``, in its scratch storage."""
+    def _keys(self, layer: int, index: int, group: AttentionGroup, queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``index``'s keys and values ``[B, Hkv, L, D]`` at ``layer`` for its ``queries`` (one row's read once
+        for all of its queries: a view, or a copy in its scratch storage, repeated without copying)."""
         if group.span is not None:
-            return self.cache.view(layer, group.span)
-        assert group.key_slots is not None
-        keys, values = self.cache.gather(layer, group.key_slots, self.scratch.get(index))
-        self.scratch[index] = (keys, values)
+            keys, values = self.cache.view(layer, group.span)
+        else:
+            assert group.key_slots is not None
+            keys, values = self.cache.gather(layer, group.key_slots, self.scratch.get(index))
+            self.scratch[index] = (keys, values)
+        if keys.shape[0] != queries:
+            keys, values = (tensor.expand(queries, *tensor.shape[1:]) for tensor in (keys, values))
         return keys, values
 
     def histories(self, layer: int) -> list[torch.Tensor]:
@@ -461,6 +501,9 @@ class ModelRunner:
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
         self._block_offsets = torch.arange(cache.block_size, device=device)
         self._edges = torch.zeros(0, device=device)
+        self.as_decode_max = 0
+        """Rows feeding up to this many tokens over a history attend each as a decode step would
+        (:data:`AS_DECODE_MAX`); 0: only one-token rows do."""
 
     def keep_features(self, source: str) -> None:
         """Store every position's final hidden state in the cache, for a draft that reads them."""
@@ -585,7 +628,6 @@ class ModelRunner:
                 raise RuntimeError(f"a row has {len(row.siblings)} siblings for {row.read - 1} drafts")
             (decode_rows if new == 1 else multi_rows).append(i)
         order = decode_rows + multi_rows  # decode rows first, each part in the rows' order
-        only = len(order) == 1
         size = self.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -594,7 +636,7 @@ class ModelRunner:
         offsets: list[int] = []  # packed offset of each ordered row
         counts: list[int] = []
         alone: list[RowAttention] = []
-        gathered: dict[tuple[int, int], list[int]] = {}  # (padded length, width) -> ordered indices of its rows
+        gathered: dict[tuple[int, int, int], list[tuple[PassRow, Queries]]] = {}  # (padded length, width, owner)
         ends = [0] * len(rows)  # packed end of each row's own tokens, in rows order
         siblings = [0] * len(rows)  # siblings read for each row, in rows order
         at = 0
@@ -628,19 +670,22 @@ class ModelRunner:
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
                 slots.extend(self.cache.slots(blocks, range(end, end + extra)))
-            unit = self._alone(row, at, count, extra)
-            if unit is not None:
-                alone.append(unit)
-            else:
-                gathered.setdefault((-(-end // BUCKET) * BUCKET, count), []).append(b)
+            for unit in self._plan(row, at, count, extra):
+                if isinstance(unit, RowAttention):
+                    alone.append(unit)
+                elif unit.end >= VIEW_MIN:  # (one query: rows of several that long attend together, in pieces)
+                    pieces = self._pieces(blocks, unit.end, unit.own)
+                    alone.append(RowAttention(slice(unit.index, unit.index + 1), pieces, None))
+                else:  # one row's exact queries share its keys; decode rows and rows of several share groups
+                    owner = -1 if count == 1 or unit.width > 1 else b if unit.own is None else -2 - unit.index
+                    key = (-(-(unit.end + unit.width - 1) // BUCKET) * BUCKET, unit.width, owner)
+                    gathered.setdefault(key, []).append((row, unit))
             ends[i] = at + count
             siblings[i] = extra
             at += count + extra
         inputs = upload([ids, positions, slots], torch.long, self.device)  # [3, T]
-        groups = [
-            self._group([ordered[b] for b in part], [offsets[b] for b in part], length, width, whole=only)
-            for (length, width), part in gathered.items()
-        ]
+        every = not alone and len(gathered) == 1 and len(ids) == sum(q.width for _, q in next(iter(gathered.values())))
+        groups = [self._group(part, length, width, whole=every) for (length, width, _), part in gathered.items()]
         batch = PackedBatch(
             cache=self.cache,
             write_slots=inputs[2],
@@ -659,35 +704,47 @@ class ModelRunner:
                 keep.extend(range(end - row.read, end + extra))
         return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order, siblings
 
-    def _alone(self, row: PassRow, offset: int, count: int, extra: int) -> RowAttention | None:
+    def _plan(self, row: PassRow, offset: int, count: int, extra: int) -> list[RowAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
-        attended alone: over the pass's own keys when its history is all new, else over its history in pieces of
-        :data:`SPLIT` positions; None for a short row (batched with others of its padded length and width)."""
+        attended: a prompt over the pass's own keys (causal); a decode step, and up to :attr:`as_decode_max` tokens
+        after a history (or drafts after a prompt) with their siblings, each as a decode step at its position; a
+        short row's several tokens together (grouped); a long row's, or a row's with siblings, together over its
+        history in pieces of :data:`SPLIT` positions."""
         start = row.kv.length
         end = start + count
-        queries = slice(offset, offset + count + extra)
+        drafts = row.read - 1  # a verification's drafts are the row's last tokens
         if start == 0:
-            return RowAttention(queries, None, None)
+            split = 0 < drafts <= self.as_decode_max
+            prompt = RowAttention(slice(offset, offset + count - (drafts if split else 0)), None, None)
+            return [prompt, *(Queries(offset + j, j + 1) for j in range(prompt.queries.stop - offset, count))]
+        if count + extra <= max(1, self.as_decode_max):
+            queries: list[RowAttention | Queries] = [Queries(offset + j, start + j + 1) for j in range(count)]
+            if extra:  # sibling d at draft d's position, its keys at slot end + d
+                slots = self.cache.slots(row.kv.blocks, range(end, end + extra))
+                queries += [Queries(offset + count + d, end - drafts + d + 1, own=slots[d]) for d in range(extra)]
+            return queries
         if not extra and end < VIEW_MIN:
-            return None
+            return [Queries(offset, start + 1, width=count)]
         # each new token sees the positions up to its own (and each sibling those before its draft's, and itself)
-        mask = tree_mask(start, end, row.read - 1, extra, self.device) if count > 1 or extra else None
-        return RowAttention(queries, self._pieces(row.kv.blocks, end + extra), mask)
+        mask = tree_mask(start, end, drafts, extra, self.device)
+        return [RowAttention(slice(offset, offset + count + extra), self._pieces(row.kv.blocks, end + extra), mask)]
 
-    def _pieces(self, blocks: list[int], reach: int) -> tuple[slice | torch.Tensor, ...]:
+    def _pieces(self, blocks: list[int], reach: int, own: int | None = None) -> tuple[slice | torch.Tensor, ...]:
         """The flat slots of positions ``0..reach`` of a row with this block table, cut at every multiple of
-        :data:`SPLIT`: a range where the piece's blocks lie in order, else the slots themselves."""
+        :data:`SPLIT`: a range where the piece's blocks lie in order, else the slots themselves. ``own``: the slot
+        read for position ``reach - 1`` instead of its own (a sibling's keys)."""
         size = self.cache.block_size
         out: list[slice | torch.Tensor] = []
         for begin in range(0, reach, SPLIT):
             stop = min(begin + SPLIT, reach)
             first = begin // size
             used = self.cache.blocks_for(stop) - first
-            if in_order(blocks[first:], used) is not None:
+            if in_order(blocks[first:], used) is not None and (own is None or stop < reach):
                 base = (blocks[first] - first) * size
                 out.append(slice(base + begin, base + stop))
             else:
-                out.append(upload(self.cache.slots(blocks, range(begin, stop)), torch.long, self.device))
+                slots = self.cache.slots(blocks, range(begin, stop if own is None or stop < reach else stop - 1))
+                out.append(upload(slots if own is None or stop < reach else [*slots, own], torch.long, self.device))
         return tuple(out)
 
     def _mask_dtype(self) -> torch.dtype:
@@ -706,38 +763,43 @@ class ModelRunner:
         middle = self._edges.shape[0] // 2
         return self._edges[middle - end : middle - end + length].view(1, 1, 1, length)
 
-    def _group(
-        self, rows: list[PassRow], offsets: list[int], length: int, width: int, *, whole: bool
-    ) -> AttentionGroup:
-        """The attention of short ``rows`` (whose ``width`` new tokens each are packed from ``offsets``), their keys
-        padded to ``length`` positions; ``whole``: they are the only row of the pass."""
+    def _group(self, part: list[tuple[PassRow, Queries]], length: int, width: int, *, whole: bool) -> AttentionGroup:
+        """The attention of ``part``'s queries (``width`` each), their rows' keys padded to ``length`` positions: short
+        decode rows, rows feeding ``width`` tokens together, or one row's exact queries (which share its keys);
+        ``whole``: they are every query of the pass."""
         device, size = self.device, self.cache.block_size
-        b = len(rows)
-        starts = [row.kv.length for row in rows]
+        b = len(part)
+        row = part[0][0]
+        shared = b == 1 or part[1][0] is row  # one row's queries: its keys read once for all
         used = self.cache.blocks_for(length)
-        first = in_order(rows[0].kv.blocks, used) if b == 1 and len(rows[0].kv.blocks) >= used else None
-        span = None if first is None else slice(first * size, first * size + length)  # one row, read over a view
-        if span is not None and whole and width == 1:  # one decode row (batch 1's every step): nothing to build
-            return AttentionGroup(None, None, self._decode_mask(starts[0] + 1, length), span)
+        first = in_order(row.kv.blocks, used) if shared and len(row.kv.blocks) >= used else None
+        mine = part[0][1].own
+        span = None if first is None or mine is not None else slice(first * size, first * size + length)
+        ends = [query.end for _, query in part]
+        if span is not None and whole and b == 1 and width == 1:  # one decode row (batch 1's every step)
+            return AttentionGroup(None, None, self._decode_mask(ends[0], length), span)
+        owners = [row] if shared else [r for r, _ in part]
         tables = (
-            []
-            if span is not None
-            else [row.kv.blocks[:used] + [0] * (used - len(row.kv.blocks[:used])) for row in rows]
+            [] if span is not None else [r.kv.blocks[:used] + [0] * (used - len(r.kv.blocks[:used])) for r in owners]
         )
-        # one copy to the device for the group's per-row numbers, tables flattened after them
-        per_row = upload([*starts, *offsets, *(k for table in tables for k in table)], torch.long, device)
-        start, offset = per_row[:b], per_row[b : 2 * b]
+        # one copy to the device for the group's numbers, tables flattened after them
+        index = [query.index for _, query in part]
+        numbers = upload([*ends, *index, *(k for table in tables for k in table)], torch.long, device)
+        steps = torch.arange(width, device=device)
+        seen = numbers[:b, None] - 1 + steps  # [B, W]: the last position each query sees
         positions = torch.arange(length, device=device)
-        seen = start[:, None] + torch.arange(width, device=device)  # [B, W]: each new token's position
         hidden = positions > seen[:, :, None]  # [B, W, L]
-        mask = torch.zeros(hidden.shape, dtype=self._mask_dtype(), device=device).masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(hidden.shape, dtype=self._mask_dtype(), device=device).masked_fill_(hidden, -torch.inf)
         mask = mask[:, None]
-        query_index = None if whole else offset[:, None] + torch.arange(width, device=device)
+        query_index = None if whole else numbers[b : 2 * b, None] + steps
         if span is not None:
             return AttentionGroup(query_index, None, mask, span)
-        table = per_row[2 * b :].view(b, used)
+        table = numbers[2 * b :].view(len(owners), used)
         # each row reads its own slots only: positions past its end repeat its last one (masked, but another
         # sequence's values there could be anything, and 0 * NaN is NaN)
-        own = torch.minimum(positions, seen[:, -1:])  # [B, L]
-        key_slots = (table[:, :, None] * size + self._block_offsets).view(b, -1).gather(1, own)  # [B, L]
+        last = seen[:, -1:].max(dim=0, keepdim=True).values if shared else seen[:, -1:]
+        own = torch.minimum(positions, last).expand(len(owners), -1)
+        key_slots = (table[:, :, None] * size + self._block_offsets).view(len(owners), -1).gather(1, own)
+        if mine is not None:  # a sibling (alone in its group): its own keys at its position
+            key_slots[0, ends[0] - 1] = mine
         return AttentionGroup(query_index, key_slots, mask)

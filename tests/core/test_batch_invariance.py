@@ -55,9 +55,61 @@ def test_a_requests_numbers_are_the_same_bits_alone_and_in_a_batch(
         alone = [engine.generate([Request(p, policy, params)])[0] for p in prompts]
         together = engine.generate([Request(p, policy, params) for p in prompts])
         backwards = engine.generate([Request(p, policy, params) for p in reversed(prompts)])[::-1]
+        assert all(r.retried_passes == 0 for r in engine.runners.values())  # no pass failed and was bisected
     finally:
         engine.close()
         torch.set_num_threads(before)
     for a, b, c in zip(alone, together, backwards, strict=True):
         _same(a, b)
         _same(a, c)
+
+
+@pytest.mark.parametrize("view_min", [512, 24], ids=["short-rows", "long-rows-in-pieces"])
+@pytest.mark.parametrize("threads", [1, 2], ids=["1-thread", "2-threads"])
+def test_a_verification_computes_every_position_as_a_decode_step_would(
+    llama_pair: ModelPair, view_min: int, threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``exact_verification``, greedy speculative decoding is LargeOnly to the last bit: the large model's hidden
+    state at every position it was fed is the same whether the position came in a verification of several drafts
+    (or after the prompt, in its first pass) or in a one-token decode step, so no near-tie can turn a
+    verification's argmax away from LargeOnly's. Four prompts, alone and in one call; the random pair agrees on few
+    drafts, so most rounds reject some. (Without it the hidden states differ in the last bits.)"""
+    monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
+    monkeypatch.setattr(model_runner, "SPLIT", 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    engine = Engine(llama_pair, return_hidden_states=True, exact_verification=True)
+    engine.prefix_caching = False
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (6, 19, 33, 47)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    try:
+        runs = {
+            policy.name + str(i): [engine.generate([Request(p, policy, params)])[0] for p in prompts]
+            + engine.generate([Request(p, policy, params) for p in prompts])
+            for i, policy in enumerate([LargeOnly(), SpeculativeDecoding(gamma=3), SpeculativeDecoding(gamma=7)])
+        }
+        assert all(r.retried_passes == 0 for r in engine.runners.values())  # no pass failed and was bisected
+    finally:
+        engine.close()
+        torch.set_num_threads(before)
+    reference = runs.pop("large_only0")
+    for name, completions in runs.items():
+        for ref, got in zip(reference, completions, strict=True):
+            assert got.token_ids == ref.token_ids, name
+            assert ref.hidden_states is not None and got.hidden_states is not None
+            fed = ~torch.isnan(got.hidden_states[:, 0])  # positions the large model read (its last ones may lag)
+            assert fed.sum() >= len(ref.hidden_states) - 8, name
+            torch.testing.assert_close(got.hidden_states[fed], ref.hidden_states[fed], rtol=0, atol=0)
+
+
+def test_exact_verification_is_off_by_default_and_takes_a_bool_only(llama_pair: ModelPair) -> None:
+    engine = Engine(llama_pair)
+    assert engine.exact_verification is False and all(r.as_decode_max == 0 for r in engine.runners.values())
+    engine.exact_verification = True
+    assert all(r.as_decode_max == model_runner.AS_DECODE_MAX for r in engine.runners.values())
+    with pytest.raises(ValueError, match="exact_verification must be True or False"):
+        engine.exact_verification = "yes"  # type: ignore[assignment]
+    assert engine.exact_verification is True  # the refused value changed nothing
+    with pytest.raises(ValueError, match="exact_verification must be True or False"):
+        Engine(llama_pair, exact_verification=1)  # type: ignore[arg-type]

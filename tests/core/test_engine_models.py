@@ -9,6 +9,7 @@ import torch
 
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import ModelPair
+from ead_llm.core.model_runner import PackedBatch
 from ead_llm.core.output import first_stop
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import FinishReason, Role
@@ -170,27 +171,25 @@ def test_characters_outside_the_vocabulary_are_named_in_a_warning() -> None:
 
 
 def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
-    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch
+    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
     """Four long prompts decoded together: their prefills attend over the pass's own keys, and the scheduler keeps
     room after each row's blocks, so every later step reads each row's history where it lies (no row is ever
     copied into a batch); each still gives generate()'s tokens. (Rows count as long from 128 positions here: the
     tiny pair's context is 512.)"""
     from ead_llm.core import model_runner
-    from ead_llm.core.model_runner import ModelRunner
 
     monkeypatch.setattr(model_runner, "VIEW_MIN", 128)
-    units: list = []
-    original = ModelRunner._alone
-    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
     engine = Engine(llama_pair)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, llama_pair.vocab_size, (150 + 7 * i,), generator=gen).tolist() for i in range(4)]
     done = engine.generate([Request(p, LargeOnly(), SamplingParams(max_tokens=40)) for p in prompts])
     for prompt, completion in zip(prompts, done, strict=True):
         assert list(completion.token_ids) == hf_greedy(llama_pair, Role.LARGE, prompt, 40)
-    fresh = [u for u in units if u is not None and u.pieces is None]
-    views = [u for u in units if u is not None and u.pieces is not None]
+    units = [unit for batch in packed for unit in batch.alone]
+    assert not any(batch.groups for batch in packed)
+    fresh = [u for u in units if u.pieces is None]
+    views = [u for u in units if u.pieces is not None]
     assert len(fresh) == 4 and len(views) == len(units) - 4 >= 4 * 5
     assert all(isinstance(piece, slice) for u in views for piece in u.pieces)  # no copies
     engine.close()

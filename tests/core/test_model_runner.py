@@ -8,7 +8,7 @@ import torch
 from ead_llm.core import model_runner
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
-from ead_llm.core.model_runner import ModelRunner, PassRow
+from ead_llm.core.model_runner import ModelRunner, PackedBatch, PassRow
 from ead_llm.core.types import Role
 
 
@@ -20,17 +20,17 @@ def _runner(pair: ModelPair) -> ModelRunner:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("as_decode", [True, False], ids=["as-decode-steps", "together"])
 @pytest.mark.parametrize("in_place", [True, False], ids=["views", "gathers"])
 def test_packed_passes_match_the_models_own_logits(
-    pair: ModelPair, in_place: bool, monkeypatch: pytest.MonkeyPatch
+    pair: ModelPair, in_place: bool, as_decode: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
-    """Rows attended alone over views of their blocks (every row here, with room kept after each) and rows batched
-    by padded length and width give the model's own logits; so do prefills over the pass's own keys."""
+    """Queries attended alone over views of their rows' blocks (every row here, with room kept after each) and
+    queries batched by padded length give the model's own logits; so do prefills over the pass's own keys, and rows
+    whose new tokens attend together (without exact verification, every row feeding several)."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
-    alone = []
-    original = ModelRunner._alone
-    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: alone.append(original(self, *a, **k)) or alone[-1])
     runner = _runner(pair)
+    runner.as_decode_max = model_runner.AS_DECODE_MAX if as_decode else 0
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 3, 21)]
     want = [runner.model(input_ids=torch.tensor([s])).logits[0, :, : pair.vocab_size].float() for s in seqs]
@@ -52,13 +52,19 @@ def test_packed_passes_match_the_models_own_logits(
             got = out.rows(r)
             assert torch.allclose(got, want[i][target - got.shape[0] : target], atol=1e-4)
     assert all(kv.length == len(tokens) for kv, tokens in zip(kvs, seqs, strict=True))
-    fresh = sum(1 for unit in alone if unit is not None and unit.pieces is None)
-    read = [unit for unit in alone if unit is not None and unit.pieces is not None]
-    batched = sum(1 for unit in alone if unit is None)
+    assert runner.retried_passes == 0  # no pass failed and was bisected
+    alone = [unit for batch in packed for unit in batch.alone]
+    fresh = sum(1 for unit in alone if unit.pieces is None)
+    read = [unit for unit in alone if unit.pieces is not None]
+    batched = sum(len(group.mask) for batch in packed for group in batch.groups)
     assert fresh == len(seqs)  # the first pass: no history to read
-    if in_place:  # every row alone, over views
+    together = [unit for unit in read if unit.mask is not None]  # a row's new tokens alone, under one mask
+    wide = [group for batch in packed for group in batch.groups if group.mask.shape[2] > 1]  # ... or in a group
+    if not as_decode:
+        assert len(together) >= 3 if in_place else len(wide) >= 3 and not together
+    elif in_place:  # every row alone, over views
         assert len(read) > 20 and batched == 0 and all(isinstance(p, slice) for unit in read for p in unit.pieces)
-    else:  # every row with history short: batched with those of its padded length and width
+    else:  # every query short: batched with those of its padded length
         assert batched > 20 and not read
     # the model still runs outside the engine (its attention falls back to SDPA)
     assert runner.model.generate(torch.tensor([seqs[0][:3]]), max_new_tokens=2, do_sample=False).shape == (1, 5)
@@ -136,16 +142,13 @@ def test_a_rows_history_is_cut_at_fixed_positions(monkeypatch: pytest.MonkeyPatc
 @torch.inference_mode()
 @pytest.mark.parametrize("split", [512, 16], ids=["one-piece", "pieces-of-16"])
 def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
-    llama_pair: ModelPair, split: int, monkeypatch: pytest.MonkeyPatch
+    llama_pair: ModelPair, split: int, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
     """A row whose blocks lie in several stretches (as a prompt that took cached blocks does) gives the model's own
     logits, one token at a time and three at a time, and the same bits as the same row in blocks in order: its
     pieces are cut at the same positions, read over views where they lie in order, copied where not."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0)  # decode rows alone too, as long rows are
     monkeypatch.setattr(model_runner, "SPLIT", split)
-    units: list = []
-    original = ModelRunner._alone
-    monkeypatch.setattr(ModelRunner, "_alone", lambda self, *a, **k: units.append(original(self, *a, **k)) or units[-1])
     runner = _runner(llama_pair)
     holder = SequenceKV()
     runner.cache.reserve(holder, 48)  # 12 blocks of 4, then handed out in three stretches
@@ -164,9 +167,9 @@ def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
         got = [runner.execute([PassRow(kv, tokens[:end], read=end - kv.length)]).rows(0) for kv in kvs]
         assert torch.allclose(got[0], want[end - got[0].shape[0] : end], atol=1e-4)
         assert torch.equal(got[0], got[1])
-    assert units[0].pieces is None  # the prefill attends over its own keys
-    copied = [p for u in units[2::2] for p in u.pieces if isinstance(p, torch.Tensor)]
-    assert copied and all(isinstance(p, slice) for u in units[3::2] for p in u.pieces)
+    assert packed[0].alone[0].pieces is None  # the prefill attends over its own keys
+    copied = [p for batch in packed[2::2] for u in batch.alone for p in u.pieces or () if isinstance(p, torch.Tensor)]
+    assert copied and all(isinstance(p, slice) for batch in packed[3::2] for u in batch.alone for p in u.pieces or ())
 
 
 def _reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -266,3 +269,34 @@ def test_a_row_alone_reads_finite_numbers_past_its_end_whatever_its_blocks_held(
     for end in range(7, len(tokens) + 1):  # one row alone, decoding, 10 positions in blocks of 4
         got = runner.execute([PassRow(kv, tokens[:end])]).rows(0)[-1]
         assert torch.allclose(got, want[end - 1], atol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("as_decode", [True, False], ids=["as-decode-steps", "together"])
+def test_rows_feeding_as_many_tokens_at_the_same_padded_length_fill_one_group(
+    llama_pair: ModelPair, as_decode: bool, packed: list[PackedBatch]
+) -> None:
+    """Three rows of one padded length each feeding three tokens: one group holding every query of the pass (three
+    rows of three), or with exact verification one group per row (three single queries sharing its keys). Each row
+    gets the model's own logits, and no pass fails (a failing pass is bisected into passes that succeed, which
+    would hide it)."""
+    runner = _runner(llama_pair)
+    runner.as_decode_max = model_runner.AS_DECODE_MAX if as_decode else 0
+    gen = torch.Generator().manual_seed(6)
+    seqs = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (20, 21, 22)]
+    want = [runner.model(input_ids=torch.tensor([s])).logits[0, :, : llama_pair.vocab_size].float() for s in seqs]
+    kvs = [SequenceKV() for _ in seqs]
+    for kv, tokens in zip(kvs, seqs, strict=True):
+        runner.cache.reserve(kv, len(tokens))
+        runner.execute([PassRow(kv, tokens[:-3])])
+    out = runner.execute([PassRow(kv, tokens, read=3) for kv, tokens in zip(kvs, seqs, strict=True)])
+    assert runner.retried_passes == 0 and not out.failures
+    groups = packed[-1].groups
+    assert not packed[-1].alone
+    if as_decode:
+        assert [g.mask.shape[:3] for g in groups] == [(3, 1, 1)] * 3
+        assert all(g.key_slots is not None and g.key_slots.shape[0] == 1 for g in groups)  # one copy per row
+    else:
+        assert len(groups) == 1 and groups[0].query_index is None and groups[0].mask.shape[:3] == (3, 1, 3)
+    for r in range(len(seqs)):
+        torch.testing.assert_close(out.rows(r), want[r][-3:], atol=1e-4, rtol=1e-4)

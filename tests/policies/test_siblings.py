@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ead_llm import EASD, LargeOnly, SpeculativeDecoding
+from ead_llm.core import model_runner
 from ead_llm.core.engine import Engine
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
@@ -80,6 +81,46 @@ def test_the_runner_reads_each_sibling_as_the_model_reads_that_text(pair: ModelP
     for d, sibling in enumerate(siblings):
         got = out.logits[len(drafts) + 1 + d]
         torch.testing.assert_close(got, model([*prompt, *drafts[:d], sibling]), atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("every", [0, 1], ids=["in_order", "scattered"])
+@pytest.mark.parametrize("view_min", [512, 8], ids=["short-row", "long-row-in-pieces"])
+def test_each_draft_and_sibling_gets_the_bits_a_decode_step_of_that_text_gets(
+    llama_pair: ModelPair, every: int, view_min: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With exact verification, the logits after each draft and each sibling of a verify pass are, to the last bit,
+    those of one-token decode
+    steps that fed the same text after the same prompt (so a near-tie cannot turn a verification's argmax away from
+    what decoding would pick), over views, copies and pieces of 8 positions alike."""
+    monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
+    monkeypatch.setattr(model_runner, "SPLIT", 8)
+    runner = _runner(llama_pair, block_size=4)
+    runner.as_decode_max = model_runner.AS_DECODE_MAX  # Engine(exact_verification=True)
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(4, llama_pair.vocab_size, (11,), generator=gen).tolist()
+    drafts = torch.randint(4, llama_pair.vocab_size, (4,), generator=gen).tolist()
+    siblings = tuple(torch.randint(4, llama_pair.vocab_size, (3,), generator=gen).tolist())
+    tokens = prompt + drafts
+    kv = SequenceKV()
+    _scatter(runner, kv, len(tokens) + len(siblings), every)
+    runner.execute([PassRow(kv, prompt[:-1])])
+    out = runner.execute([PassRow(kv, tokens, read=len(drafts) + 1, siblings=siblings)])
+    assert out.siblings == {0: 3}
+
+    def decoded(text: list[int]) -> torch.Tensor:
+        other = SequenceKV()
+        _scatter(runner, other, len(text), 1 - every)
+        runner.execute([PassRow(other, prompt[:-1])])  # the same prompt pass, then one token a step
+        for end in range(len(prompt), len(text) + 1):
+            logits = runner.execute([PassRow(other, text[:end])]).logits[0]
+        runner.cache.free(other)
+        return logits
+
+    for j in range(len(drafts) + 1):
+        assert torch.equal(out.logits[j], decoded(tokens[: len(prompt) + j])), j
+    for d, sibling in enumerate(siblings):
+        assert torch.equal(out.logits[len(drafts) + 1 + d], decoded([*prompt, *drafts[:d], sibling])), d
 
 
 @torch.inference_mode()
