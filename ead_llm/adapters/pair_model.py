@@ -157,6 +157,10 @@ class PairModel(LoadOptions):
     """Reuse the KV blocks of prompts (and answers) the engine saw before: a call that starts like an earlier
     one computes only the rest (the bill's ``large_cached_tokens``/``small_cached_tokens``). None: the shared
     engine's current setting (on by default); False turns it off for the engine, and every object sharing it."""
+    exact_verification: bool | None = None
+    """Attend each token a verification checks as a one-token decode step would, so greedy speculative decoding is
+    LargeOnly's to the last bit (a few percent of speculative throughput; see the guide). None: the shared engine's
+    current setting (off by default); a bool sets it for the engine, and every object sharing it."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
 
@@ -219,6 +223,8 @@ class PairModel(LoadOptions):
         self._engine.set_limits(self.max_batch, self.kv_budget_tokens)
         if self.prefix_caching is not None:
             self._engine.prefix_caching = self.prefix_caching
+        if self.exact_verification is not None:
+            self._engine.exact_verification = self.exact_verification
         if self.policy is None:
             self.policy = stored_policy(small, large) or _uncalibrated(small, large)
 

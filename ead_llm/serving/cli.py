@@ -278,6 +278,8 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
         config["json_bounds"] = None
     if args.no_prefix_caching:
         config["prefix_caching"] = False
+    if args.exact_verification:
+        config["exact_verification"] = True
     return config
 
 
@@ -645,6 +647,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-prefix-caching",
         action="store_true",
         help="compute every prompt in full (default: reuse the KV blocks of prompts seen before)",
+    )
+    serve.add_argument(
+        "--exact-verification",
+        action="store_true",
+        help="verify each speculative draft as the decode step it replaces would compute it, so greedy speculative "
+        "decoding is the large model's to the last bit (a few percent slower; default: off)",
     )
     serve.add_argument(
         "--no-json-bounds",

@@ -8,7 +8,7 @@ import pytest
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.prompts import PromptTemplate
 
-from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly
+from ead_llm import EAD, EntropyAdaptiveLLM, LargeOnly, Pricing, SmallOnly, SpeculativeDecoding
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +109,21 @@ def test_bad_constructor_arguments(llama_paths) -> None:
 def test_objects_share_one_engine(llm: EntropyAdaptiveLLM, llama_paths) -> None:
     other = EntropyAdaptiveLLM(small=str(llama_paths[0]), large=str(llama_paths[1]) + "/", policy=LargeOnly())
     assert other.shared_engine is llm.shared_engine
+
+
+def test_exact_verification_is_an_engine_wide_setting(llm: EntropyAdaptiveLLM, llama_paths) -> None:
+    paths = {"small": str(llama_paths[0]), "large": str(llama_paths[1])}
+    engine = llm.shared_engine
+    assert engine.exact_verification is False
+    try:
+        exact = EntropyAdaptiveLLM(**paths, exact_verification=True, policy=SpeculativeDecoding(gamma=3))
+        assert exact.shared_engine is engine and engine.exact_verification is True
+        assert EntropyAdaptiveLLM(**paths).shared_engine.exact_verification is True  # None keeps the engine's
+        assert exact.invoke("12+3=", max_tokens=8) == llm.invoke("12+3=", policy=LargeOnly(), max_tokens=8)
+        with pytest.raises(ValueError, match="exact_verification"):
+            EntropyAdaptiveLLM(**paths, exact_verification=[1])
+    finally:
+        engine.exact_verification = False
 
 
 def test_prices_give_cost_usd(llama_paths) -> None:
