@@ -35,15 +35,7 @@ from ead_llm.core.loading import LoadConfig, ModelPair
 from ead_llm.core.model_runner import ModelRunner, RunnerOutput
 from ead_llm.core.ops import entropy_bits, top_two
 from ead_llm.core.rejection_sampler import JudgedRounds, verify, verify_batch
-from ead_llm.core.sampler import (
-    GREEDY,
-    DeviceResults,
-    SampledRows,
-    Sampler,
-    SamplingMetadata,
-    branch_entropy,
-    to_host,
-)
+from ead_llm.core.sampler import GREEDY, DeviceResults, SampledRows, Sampler, SamplingMetadata, branch_entropy, to_host
 from ead_llm.core.scheduler import PassPlan, Scheduler
 from ead_llm.core.scheduler import Sequence as Seq
 from ead_llm.core.types import DraftRound, ForwardWork, Read, Role, RoundVerdict, TokenSample
@@ -268,15 +260,18 @@ class Engine(Frontend):
         a row that still fails fails its own request only."""
         try:
             return [run(rows)]
-        except Exception:
+        except Exception as exc:
             if len(rows) == 1:
                 raise
+            error = exc
         parts = []
         for row in rows:
             try:
                 parts.append(run([row]))
             except Exception as exc:
                 self.scheduler.fail(seqs[row], exc)
+        if len(parts) == len(rows):  # no row's fault: row by row hides it, so say so
+            logger.warning("a stage over %d rows failed (%r) where each row alone succeeded", len(rows), error)
         return parts
 
     def _sample(self, role: Role, seqs: list[Seq], out: RunnerOutput, rows: list[int]) -> list[DeviceResults]:

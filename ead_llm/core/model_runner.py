@@ -29,6 +29,7 @@ only when its pass succeeds.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,8 @@ from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadedModel
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import ForwardWork, Role
+
+logger = logging.getLogger(__name__)
 
 ATTENTION = "ead_paged"
 """The attention implementation the engine's models run under: :func:`paged_attention` for the
@@ -478,6 +481,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.cache = cache
         self.retried_passes = 0
+        self._retried_for: set[type[BaseException]] = set()
         check_full_attention(loaded.info.source, self.model.config)
         self.reads_features = reads_features(self.model)
         self._draft: FusedDraft | None = None
@@ -553,6 +557,16 @@ class ModelRunner:
                 failures[indices[0]] = exc
                 return
             self.retried_passes += 1
+            if type(exc) not in self._retried_for:  # bisecting hides a fault of every pass (its halves succeed)
+                self._retried_for.add(type(exc))
+                logger.warning(
+                    "a %s-model pass of %d rows failed (%s: %s); running it again in halves (logged once per kind "
+                    "of error; engine.faults counts the retries)",
+                    self.role.value,
+                    len(indices),
+                    type(exc).__name__,
+                    exc,
+                )
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             half = len(indices) // 2

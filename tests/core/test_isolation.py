@@ -124,6 +124,28 @@ def test_a_verification_that_raises_is_judged_row_by_row(llama_pair, monkeypatch
     assert_idle(engine)
 
 
+def test_a_stage_that_fails_for_every_batch_is_run_row_by_row_and_said_so(
+    llama_pair, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batched verification that raises whatever rows it holds (a fault of no row: a bug, not a bad request)
+    still gives every request its text, row by row, but not silently: the engine logs a warning naming the error."""
+    engine = Engine(llama_pair, max_batch=32)
+    policy = SpeculativeDecoding(gamma=2)
+    expected = alone(engine, policy, GOOD)
+    original = engine_module.verify
+
+    def verify(batch: Any) -> Any:
+        if len(batch.positions) > 1:
+            raise InjectedFault("verification broke on every batch")
+        return original(batch)
+
+    monkeypatch.setattr(engine_module, "verify", verify)
+    assert texts(engine.generate(requests(policy, GOOD))) == expected
+    warned = [r.getMessage() for r in caplog.records if r.name == "ead_llm.core.engine"]
+    assert warned and all("where each row alone succeeded" in m and "every batch" in m for m in warned)
+    assert_idle(engine)
+
+
 def test_a_failing_decoder_fails_only_its_row(llama_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = Engine(llama_pair, max_batch=32)
     policy = EAD(threshold=1.0, window=1, min_dwell=1)

@@ -95,7 +95,9 @@ def test_a_gathered_row_reads_only_its_own_slots(pair: ModelPair) -> None:
         assert torch.allclose(out.rows(r)[-1], expected, atol=1e-4)
 
 
-def test_a_failing_row_is_isolated_and_the_rest_run(llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_row_is_isolated_and_the_rest_run(
+    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     runner = _runner(llama_pair)
     seqs = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     kvs = [SequenceKV() for _ in seqs]
@@ -113,6 +115,8 @@ def test_a_failing_row_is_isolated_and_the_rest_run(llama_pair: ModelPair, monke
     assert list(out.failures) == [2] and str(out.failures[2]) == "bad row"
     assert sorted(out.work) == [0, 1, 3] and [kv.length for kv in kvs] == [3, 2, 0, 1]
     assert runner.retried_passes == 2  # 4 rows, then the half with the bad row
+    warned = [r for r in caplog.records if r.name == "ead_llm.core.model_runner"]
+    assert len(warned) == 1 and "pass of 4 rows failed (RuntimeError: bad row)" in warned[0].getMessage()  # once
     monkeypatch.undo()
     alone = runner.execute([PassRow(kvs[2], seqs[2])])
     assert alone.failures == {} and kvs[2].length == 4
