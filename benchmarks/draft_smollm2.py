@@ -20,7 +20,7 @@ cannot run this draft: it hands its assistant token ids only, and the draft read
 (printed, not measured).
 
     python benchmarks/draft_smollm2.py [--prompts 16] [--max-tokens 128] [--repeats 3] [--json out.json]
-        [--only speculative_gamma3 easd ...]
+        [--only speculative_gamma3 easd ...] [--exact-verification]
 """
 
 from __future__ import annotations
@@ -113,6 +113,11 @@ def main() -> None:
     parser.add_argument("--draft-cost", type=float, default=None, help="adaptive gamma's draft_cost (default: its own)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     parser.add_argument(
+        "--exact-verification",
+        action="store_true",
+        help="verify each draft as the decode step it replaces would compute it (Engine.exact_verification)",
+    )
+    parser.add_argument(
         "--only", nargs="+", default=None, metavar="NAME", help="run these rows only (LargeOnly always runs)"
     )
     args = parser.parse_args()
@@ -120,6 +125,7 @@ def main() -> None:
     large_dir = str(smollm2.full_model())
     draft_dir = args.draft or str(smollm2.fast_draft())
     engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
+    engine.exact_verification = args.exact_verification
     asked = (
         read_prompts(args.prompts_file)[: args.prompts] if args.prompts_file else smollm2.unseen_questions(args.prompts)
     )
