@@ -753,12 +753,13 @@ class ModelRunner:
             stop = min(begin + SPLIT, reach)
             first = begin // size
             used = self.cache.blocks_for(stop) - first
-            if in_order(blocks[first:], used) is not None and (own is None or stop < reach):
+            swap = own is not None and stop == reach  # the last piece ends with the sibling's keys
+            if not swap and in_order(blocks[first:], used) is not None:
                 base = (blocks[first] - first) * size
                 out.append(slice(base + begin, base + stop))
             else:
-                slots = self.cache.slots(blocks, range(begin, stop if own is None or stop < reach else stop - 1))
-                out.append(upload(slots if own is None or stop < reach else [*slots, own], torch.long, self.device))
+                slots = self.cache.slots(blocks, range(begin, stop - swap))
+                out.append(upload([*slots, own] if swap else slots, torch.long, self.device))
         return tuple(out)
 
     def _mask_dtype(self) -> torch.dtype:
