@@ -159,8 +159,8 @@ class PairModel(LoadOptions):
     engine's current setting (on by default); False turns it off for the engine, and every object sharing it."""
     exact_verification: bool | None = None
     """Attend each token a verification checks as a one-token decode step would, so greedy speculative decoding is
-    LargeOnly's to the last bit (a few percent of speculative throughput; see the guide). None: the shared engine's
-    current setting (off by default); a bool sets it for the engine, and every object sharing it."""
+    LargeOnly's to the last bit (see the guide for its cost). None: the shared engine's current setting (by default
+    on for large models of 50M parameters or more); a bool sets it for the engine, and every object sharing it."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
 

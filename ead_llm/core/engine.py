@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ead_llm.core.frontend import Frontend
+from ead_llm.core.frontend import Frontend, exact_by_default
 from ead_llm.core.heap import frozen_heap
 from ead_llm.core.inputs import InputProcessor
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE
@@ -72,7 +72,7 @@ class Engine(Frontend):
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         return_hidden_states: bool = False,
-        exact_verification: bool = False,
+        exact_verification: bool | None = None,
     ) -> None:
         self.pair = pair
         self.tokenizer = pair.tokenizer
@@ -99,7 +99,7 @@ class Engine(Frontend):
         }
         if self.runners[Role.SMALL].reads_features or return_hidden_states:  # a draft reads them (EAGLE-style)
             self.runners[Role.LARGE].keep_features(pair.large.info.source)
-        self.exact_verification = exact_verification
+        self.exact_verification = exact_by_default(pair) if exact_verification is None else exact_verification
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         if return_hidden_states:

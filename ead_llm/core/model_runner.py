@@ -105,7 +105,7 @@ the number of queries.) The default block size, so that a row alone in its call 
 blocks (zeroed when handed out) without a copy; with smaller blocks, only where its blocks reach that far."""
 
 AS_DECODE_MAX = 32
-"""With :attr:`ModelRunner.as_decode_max` set to this (``Engine(exact_verification=True)``), a row feeding up to this
+"""With :attr:`ModelRunner.as_decode_max` set to this (``Engine.exact_verification``), a row feeding up to this
 many tokens (its siblings counted) over a history (a verification, a catch-up, a prompt's last positions after a
 cached prefix), or drafts after its prompt, attends each one as a one-token decode step at its position would: one
 query over the row's keys padded as a decode pads them, its sums in a decode's order. A verification's logits are
@@ -113,9 +113,10 @@ then a decode step's to the last bit, and greedy speculative decoding is LargeOn
 queries of one row share its keys (one view, or one copy, for all of them), but the CPU's attention kernel costs
 about 7 us more per query than with the row's queries in one call: on the embedded pair (one thread, A/B against
 the default, twice), speculative decoding at gamma 4 ran 2-5% slower one request at a time and 19-23% at 16 rows,
-EAD 3-7%. So it is off by default: a row's new tokens (past one) then attend together, as a prefill's do (a short
-row's batched with rows of its padded length feeding as many), and round differently from a decode step in the
-last bits."""
+EAD 3-7% (on SmolLM2 0-6%: the engine turns it on by default from
+:data:`~ead_llm.core.frontend.EXACT_MIN_PARAMETERS`). Off, a row's new tokens (past one) attend together, as a
+prefill's do (a short row's batched with rows of its padded length feeding as many), and round differently from a
+decode step in the last bits."""
 
 SPLIT = 2048
 """A row attended alone is split at every multiple of this many positions: each piece is read over a view where its

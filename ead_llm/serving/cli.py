@@ -278,8 +278,8 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
         config["json_bounds"] = None
     if args.no_prefix_caching:
         config["prefix_caching"] = False
-    if args.exact_verification:
-        config["exact_verification"] = True
+    if args.exact_verification is not None:
+        config["exact_verification"] = args.exact_verification
     return config
 
 
@@ -650,9 +650,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--exact-verification",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="verify each speculative draft as the decode step it replaces would compute it, so greedy speculative "
-        "decoding is the large model's to the last bit (a few percent slower; default: off)",
+        "decoding is the large model's to the last bit (default: on for large models of 50M parameters or more)",
     )
     serve.add_argument(
         "--no-json-bounds",

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ead_llm import EAD, EASD, LargeOnly, SpeculativeDecoding
-from ead_llm.core import model_runner
+from ead_llm.core import frontend, model_runner
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import ModelPair
 from ead_llm.core.request import Completion, Request, SamplingParams
@@ -103,8 +103,10 @@ def test_a_verification_computes_every_position_as_a_decode_step_would(
             torch.testing.assert_close(got.hidden_states[fed], ref.hidden_states[fed], rtol=0, atol=0)
 
 
-def test_exact_verification_is_off_by_default_and_takes_a_bool_only(llama_pair: ModelPair) -> None:
-    engine = Engine(llama_pair)
+def test_exact_verification_follows_the_large_models_size_unless_told_and_takes_a_bool_only(
+    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(llama_pair)  # a tiny large model: off
     assert engine.exact_verification is False and all(r.as_decode_max == 0 for r in engine.runners.values())
     engine.exact_verification = True
     assert all(r.as_decode_max == model_runner.AS_DECODE_MAX for r in engine.runners.values())
@@ -113,3 +115,9 @@ def test_exact_verification_is_off_by_default_and_takes_a_bool_only(llama_pair: 
     assert engine.exact_verification is True  # the refused value changed nothing
     with pytest.raises(ValueError, match="exact_verification must be True or False"):
         Engine(llama_pair, exact_verification=1)  # type: ignore[arg-type]
+    large = sum(p.numel() for p in llama_pair.large.model.parameters())
+    monkeypatch.setattr(frontend, "EXACT_MIN_PARAMETERS", large)  # as large as the threshold: on
+    assert Engine(llama_pair).exact_verification is True
+    assert Engine(llama_pair, exact_verification=False).exact_verification is False
+    monkeypatch.setattr(frontend, "EXACT_MIN_PARAMETERS", large + 1)
+    assert Engine(llama_pair).exact_verification is False

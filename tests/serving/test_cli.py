@@ -134,6 +134,7 @@ def test_serve_can_lift_the_json_bounds() -> None:
     assert serve_config(build_parser().parse_args(["serve", "--no-prefix-caching"]))["prefix_caching"] is False
     assert serve_config(build_parser().parse_args(["serve", "--exact-verification"]))["exact_verification"] is True
     assert "exact_verification" not in serve_config(build_parser().parse_args(["serve"]))
+    assert serve_config(build_parser().parse_args(["serve", "--no-exact-verification"]))["exact_verification"] is False
 
 
 def test_parsing_and_help_import_neither_torch_nor_the_frameworks() -> None:
