@@ -391,6 +391,10 @@ class PassRow:
     after the row's end (reserved by the scheduler, rolled back after the verdict); the logits after each are read
     after the row's own. Read only where those slots are reserved (else none are, and :attr:`RunnerOutput.siblings`
     says so)."""
+    prompt: int = 0
+    """How many of its first tokens are its prompt (0: not said). Under exact verification, a row fed from its start
+    attends its prompt causally and every later token (drafts, or what a preempted sequence had generated) as a decode
+    step, as they were computed the first time."""
 
 
 @dataclass
@@ -721,18 +725,23 @@ class ModelRunner:
 
     def _plan(self, row: PassRow, offset: int, count: int, extra: int) -> list[RowAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
-        attended: a prompt over the pass's own keys (causal); a decode step, and up to :attr:`as_decode_max` tokens
-        after a history (or drafts after a prompt) with their siblings, each as a decode step at its position; a
-        short row's several tokens together (grouped); a long row's, or a row's with siblings, together over its
-        history in pieces of :data:`SPLIT` positions."""
+        attended: a prompt over the pass's own keys (causal); each as a decode step at its position: a decode step's
+        token, up to :attr:`as_decode_max` tokens after a history (or drafts after a prompt) with their siblings, and
+        under exact verification every token past the prompt (:attr:`PassRow.prompt`); else a short row's several
+        tokens together (grouped), a long row's, or a row's with siblings, together over its history in pieces of
+        :data:`SPLIT` positions."""
         start = row.kv.length
         end = start + count
         drafts = row.read - 1  # a verification's drafts are the row's last tokens
+        exact = self.as_decode_max > 0
         if start == 0:
-            split = 0 < drafts <= self.as_decode_max
-            prompt = RowAttention(slice(offset, offset + count - (drafts if split else 0)), None, None)
-            return [prompt, *(Queries(offset + j, j + 1) for j in range(prompt.queries.stop - offset, count))]
-        if count + extra <= max(1, self.as_decode_max):
+            if exact and row.prompt:
+                head = min(count, row.prompt)
+            else:
+                head = count - (drafts if 0 < drafts <= self.as_decode_max else 0)
+            prompt = RowAttention(slice(offset, offset + head), None, None)
+            return [prompt, *(Queries(offset + j, j + 1) for j in range(head, count))]
+        if count + extra <= max(1, self.as_decode_max) or (exact and start >= row.prompt > 0):
             queries: list[RowAttention | Queries] = [Queries(offset + j, start + j + 1) for j in range(count)]
             if extra:  # sibling d at draft d's position, its keys at slot end + d
                 slots = self.cache.slots(row.kv.blocks, range(end, end + extra))

@@ -159,7 +159,14 @@ class PassPlan:
         """The runner's rows (``with_target``: each with its sequence in the large model's cache, for a draft that
         reads the target's hidden states)."""
         return [
-            PassRow(q.kv[self.role], q.tokens, r.positions, q.kv[Role.LARGE] if with_target else None, r.siblings)
+            PassRow(
+                q.kv[self.role],
+                q.tokens,
+                r.positions,
+                q.kv[Role.LARGE] if with_target else None,
+                r.siblings,
+                q.prompt_len,
+            )
             for q, r in zip(self.seqs, self.reads, strict=True)
         ]
 

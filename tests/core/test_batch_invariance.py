@@ -121,3 +121,36 @@ def test_exact_verification_follows_the_large_models_size_unless_told_and_takes_
     assert Engine(llama_pair, exact_verification=False).exact_verification is False
     monkeypatch.setattr(frontend, "EXACT_MIN_PARAMETERS", large + 1)
     assert Engine(llama_pair).exact_verification is False
+
+
+@pytest.mark.parametrize(
+    "policy", [LargeOnly(), SpeculativeDecoding(gamma=3), EAD(threshold=0.3)], ids=lambda p: p.name
+)
+def test_a_preempted_request_gets_the_same_bits_under_exact_verification(llama_pair: ModelPair, policy: Policy) -> None:
+    """A request preempted under a tight KV budget is fed again from its start: its prompt causally and each token it
+    had generated as a decode step, as they were first computed, so its numbers are the bits it gets alone (prefix
+    caching off: a hit inside the prompt is the prefix cache's own exception). Without exact verification the
+    generated positions round as a prefill's and the hidden states differ."""
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 13, 7, 11, 6)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=5)
+    alone = Engine(llama_pair, kv_block_size=8, return_hidden_states=True, exact_verification=True)
+    tight = Engine(
+        llama_pair,
+        max_batch=6,
+        kv_budget_tokens=10 * 8,
+        kv_block_size=8,
+        return_hidden_states=True,
+        exact_verification=True,
+    )
+    for engine in (alone, tight):
+        engine.prefix_caching = False
+    try:
+        expected = [alone.generate([Request(p, policy, params)])[0] for p in prompts]
+        done = tight.generate([Request(p, policy, params) for p in prompts])
+        assert tight.scheduler.preemptions > 0
+    finally:
+        alone.close()
+        tight.close()
+    for a, b in zip(expected, done, strict=True):
+        _same(a, b)
