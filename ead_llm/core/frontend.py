@@ -17,7 +17,7 @@ from ead_llm.core.grammar import GrammarCompiler
 from ead_llm.core.inputs import InputProcessor, check_requests
 from ead_llm.core.kv_cache import KVCache
 from ead_llm.core.loading import LoadConfig, ModelPair
-from ead_llm.core.model_runner import AS_DECODE_MAX, ModelRunner
+from ead_llm.core.model_runner import ModelRunner
 from ead_llm.core.output import OutputProcessor
 from ead_llm.core.request import Completion, Prompt, Request
 from ead_llm.core.scheduler import WAKE, Call, Scheduler
@@ -127,14 +127,14 @@ class Frontend:
         """Whether a verification's (or catch-up's) tokens each attend as a one-token decode step would
         (:data:`~ead_llm.core.model_runner.AS_DECODE_MAX`): greedy speculative decoding is then LargeOnly to the
         last bit. By default on for a large model of :data:`EXACT_MIN_PARAMETERS` or more (:func:`exact_by_default`)."""
-        return self.runners[Role.LARGE].as_decode_max > 0
+        return self.runners[Role.LARGE].exact_verification
 
     @exact_verification.setter
     def exact_verification(self, on: bool) -> None:
         if not isinstance(on, bool):
             raise ValueError(f"exact_verification must be True or False, got {on!r}")
         for runner in self.runners.values():
-            runner.as_decode_max = AS_DECODE_MAX if on else 0
+            runner.exact_verification = on
 
     def set_limits(
         self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None

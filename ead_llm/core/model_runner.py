@@ -56,18 +56,20 @@ engine's packed passes, transformers' SDPA for any other call (``model.generate`
 
 @dataclass(frozen=True)
 class AttentionGroup:
-    """Queries of a pass attended together, each as a decode step at its position would be (one query over its row's
-    keys padded to the same length): one per short decode row (their keys copied into one batch, or read over a view
-    for a row alone whose blocks lie in order), or the queries of one row's verification or catch-up (its keys read
-    once, over a view where its blocks lie in order, and shared by them)."""
+    """Entries of a pass attended together, each ``W`` consecutive queries over its row's keys padded to the same
+    length ``L``: short decode rows (``W`` 1), short rows feeding ``W`` tokens together, or the queries of one row
+    under exact verification, each as a decode step at its position (``W`` 1, the row's keys read once, over a view
+    where its blocks lie in order, and shared by them). Several rows' keys are copied into one batch; a row alone
+    whose blocks lie in order is read over a view."""
 
     query_index: torch.Tensor | None
-    """[B, 1] packed index of each query; None when the group holds every query of the pass, in packed order."""
+    """[B, W] packed index of each entry's queries; None when the group holds every query of the pass, in packed
+    order."""
     key_slots: torch.Tensor | None
-    """[B, L] flat KV slot of each query's positions 0..L-1 (past its end: its row's last position), or [1, L] when
-    the queries share one row's keys; None with ``span``."""
+    """[B, L] flat KV slot of each entry's positions 0..L-1 (past its end: its row's last position), or [1, L] when
+    the entries share one row's keys; None with ``span``."""
     mask: torch.Tensor
-    """[B, 1, 1, L] in the cache's dtype: 0 where a query sees a position (its own and those before), -inf elsewhere
+    """[B, 1, W, L] in the cache's dtype: 0 where a query sees a position (its own and those before), -inf elsewhere
     (built once for all layers; a bool mask is converted in every call)."""
     span: slice | None = None
     """For queries of one row whose blocks lie in order: the flat slots of its padded positions, read over a view
@@ -105,9 +107,9 @@ the number of queries.) The default block size, so that a row alone in its call 
 blocks (zeroed when handed out) without a copy; with smaller blocks, only where its blocks reach that far."""
 
 AS_DECODE_MAX = 32
-"""With :attr:`ModelRunner.as_decode_max` set to this (``Engine.exact_verification``), a row feeding up to this
-many tokens (its siblings counted) over a history (a verification, a catch-up, a prompt's last positions after a
-cached prefix), or drafts after its prompt, attends each one as a one-token decode step at its position would: one
+"""Under :attr:`ModelRunner.exact_verification` every token past a row's prompt (:attr:`PassRow.prompt`), and a row's
+tokens over a history (its siblings counted) when it feeds up to this many (a prompt's last positions after a
+cached prefix, a row whose prompt is not said), attends as a one-token decode step at its position would: one
 query over the row's keys padded as a decode pads them, its sums in a decode's order. A verification's logits are
 then a decode step's to the last bit, and greedy speculative decoding is LargeOnly's whatever the near-ties. The
 queries of one row share its keys (one view, or one copy, for all of them), but the CPU's attention kernel costs
@@ -510,9 +512,9 @@ class ModelRunner:
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
         self._block_offsets = torch.arange(cache.block_size, device=device)
         self._edges = torch.zeros(0, device=device)
-        self.as_decode_max = 0
-        """Rows feeding up to this many tokens over a history attend each as a decode step would
-        (:data:`AS_DECODE_MAX`); 0: only one-token rows do."""
+        self.exact_verification = False
+        """Whether a row's tokens past a one-token decode each attend as a decode step would (:data:`AS_DECODE_MAX`);
+        off, only one-token rows do."""
 
     def keep_features(self, source: str) -> None:
         """Store every position's final hidden state in the cache, for a draft that reads them."""
@@ -726,22 +728,22 @@ class ModelRunner:
     def _plan(self, row: PassRow, offset: int, count: int, extra: int) -> list[RowAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
         attended: a prompt over the pass's own keys (causal); each as a decode step at its position: a decode step's
-        token, up to :attr:`as_decode_max` tokens after a history (or drafts after a prompt) with their siblings, and
-        under exact verification every token past the prompt (:attr:`PassRow.prompt`); else a short row's several
-        tokens together (grouped), a long row's, or a row's with siblings, together over its history in pieces of
-        :data:`SPLIT` positions."""
+        token, and under :attr:`exact_verification` every token past the prompt (:attr:`PassRow.prompt`) and up to
+        :data:`AS_DECODE_MAX` tokens after a history (or drafts after a prompt) with their siblings; else a short
+        row's several tokens together (grouped), a long row's, or a row's with siblings, together over its history
+        in pieces of :data:`SPLIT` positions."""
         start = row.kv.length
         end = start + count
         drafts = row.read - 1  # a verification's drafts are the row's last tokens
-        exact = self.as_decode_max > 0
+        exact = self.exact_verification
         if start == 0:
             if exact and row.prompt:
                 head = min(count, row.prompt)
             else:
-                head = count - (drafts if 0 < drafts <= self.as_decode_max else 0)
+                head = count - (drafts if exact and 0 < drafts <= AS_DECODE_MAX else 0)
             prompt = RowAttention(slice(offset, offset + head), None, None)
             return [prompt, *(Queries(offset + j, j + 1) for j in range(head, count))]
-        if count + extra <= max(1, self.as_decode_max) or (exact and start >= row.prompt > 0):
+        if count + extra == 1 or (exact and (count + extra <= AS_DECODE_MAX or start >= row.prompt > 0)):
             queries: list[RowAttention | Queries] = [Queries(offset + j, start + j + 1) for j in range(count)]
             if extra:  # sibling d at draft d's position, its keys at slot end + d
                 slots = self.cache.slots(row.kv.blocks, range(end, end + extra))

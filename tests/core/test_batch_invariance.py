@@ -107,9 +107,9 @@ def test_exact_verification_follows_the_large_models_size_unless_told_and_takes_
     llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = Engine(llama_pair)  # a tiny large model: off
-    assert engine.exact_verification is False and all(r.as_decode_max == 0 for r in engine.runners.values())
+    assert engine.exact_verification is False and not any(r.exact_verification for r in engine.runners.values())
     engine.exact_verification = True
-    assert all(r.as_decode_max == model_runner.AS_DECODE_MAX for r in engine.runners.values())
+    assert all(r.exact_verification is True for r in engine.runners.values())
     with pytest.raises(ValueError, match="exact_verification must be True or False"):
         engine.exact_verification = "yes"  # type: ignore[assignment]
     assert engine.exact_verification is True  # the refused value changed nothing

@@ -30,7 +30,7 @@ def test_packed_passes_match_the_models_own_logits(
     whose new tokens attend together (without exact verification, every row feeding several)."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
     runner = _runner(pair)
-    runner.as_decode_max = model_runner.AS_DECODE_MAX if as_decode else 0
+    runner.exact_verification = as_decode
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 3, 21)]
     want = [runner.model(input_ids=torch.tensor([s])).logits[0, :, : pair.vocab_size].float() for s in seqs]
@@ -285,7 +285,7 @@ def test_rows_feeding_as_many_tokens_at_the_same_padded_length_fill_one_group(
     gets the model's own logits, and no pass fails (a failing pass is bisected into passes that succeed, which
     would hide it)."""
     runner = _runner(llama_pair)
-    runner.as_decode_max = model_runner.AS_DECODE_MAX if as_decode else 0
+    runner.exact_verification = as_decode
     gen = torch.Generator().manual_seed(6)
     seqs = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (20, 21, 22)]
     want = [runner.model(input_ids=torch.tensor([s])).logits[0, :, : llama_pair.vocab_size].float() for s in seqs]
