@@ -14,7 +14,7 @@ from ead_llm.core import model_runner
 from ead_llm.core.engine import Engine
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
-from ead_llm.core.model_runner import ModelRunner, PassRow, tree_mask
+from ead_llm.core.model_runner import ModelRunner, PassRow, RunnerOutput, tree_mask
 from ead_llm.core.rejection_sampler import verify
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role, RoundVerdict, TokenSample
@@ -50,6 +50,21 @@ def _scatter(runner: ModelRunner, kv: SequenceKV, length: int, every: int) -> No
             runner.cache.reserve(other, (len(other.blocks) + 1) * size)
 
 
+def _verify_pass(
+    runner: ModelRunner, vocab: int, seed: int, sizes: tuple[int, int, int], every: int
+) -> tuple[list[int], list[int], tuple[int, ...], SequenceKV, RunnerOutput]:
+    """Random prompt, drafts and siblings of ``sizes``; a row holding them, its blocks in stretches of ``every``
+    (:func:`_scatter`), fed all but the prompt's last token, then verified with siblings in one pass."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt, drafts, siblings = (torch.randint(4, vocab, (n,), generator=gen).tolist() for n in sizes)
+    tokens = prompt + drafts
+    kv = SequenceKV()
+    _scatter(runner, kv, len(tokens) + len(siblings), every)
+    runner.execute([PassRow(kv, prompt[:-1])])
+    out = runner.execute([PassRow(kv, tokens, read=len(drafts) + 1, siblings=tuple(siblings))])
+    return prompt, drafts, tuple(siblings), kv, out
+
+
 @torch.inference_mode()
 @pytest.mark.parametrize("every", [0, 2, 1], ids=["in_order", "in_stretches", "scattered"])
 def test_the_runner_reads_each_sibling_as_the_model_reads_that_text(pair: ModelPair, every: int) -> None:
@@ -59,16 +74,9 @@ def test_the_runner_reads_each_sibling_as_the_model_reads_that_text(pair: ModelP
     counts its own tokens only, while the work billed counts the siblings too (on the fused Llama forward and on
     transformers' modules)."""
     runner = _runner(pair, block_size=4)
-    gen = torch.Generator().manual_seed(1)
-    prompt = torch.randint(4, pair.vocab_size, (9,), generator=gen).tolist()
-    drafts = torch.randint(4, pair.vocab_size, (3,), generator=gen).tolist()
-    siblings = tuple(torch.randint(4, pair.vocab_size, (3,), generator=gen).tolist())
+    prompt, drafts, siblings, kv, out = _verify_pass(runner, pair.vocab_size, 1, (9, 3, 3), every)
     tokens = prompt + drafts
-    kv = SequenceKV()
-    _scatter(runner, kv, len(tokens) + len(siblings), every)
     assert (len({b - i for i, b in enumerate(kv.blocks)}) > 1) == bool(every)
-    runner.execute([PassRow(kv, prompt[:-1])])
-    out = runner.execute([PassRow(kv, tokens, read=len(drafts) + 1, siblings=siblings)])
 
     def model(text: list[int]) -> torch.Tensor:
         return runner.model(input_ids=torch.tensor([text])).logits[0, -1, : pair.vocab_size].float()
@@ -90,22 +98,14 @@ def test_each_draft_and_sibling_gets_the_bits_a_decode_step_of_that_text_gets(
     llama_pair: ModelPair, every: int, view_min: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With exact verification, the logits after each draft and each sibling of a verify pass are, to the last bit,
-    those of one-token decode
-    steps that fed the same text after the same prompt (so a near-tie cannot turn a verification's argmax away from
-    what decoding would pick), over views, copies and pieces of 8 positions alike."""
+    those of one-token decode steps that fed the same text after the same prompt (so a near-tie cannot turn a
+    verification's argmax away from what decoding would pick), over views, copies and pieces of 8 positions alike."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
     monkeypatch.setattr(model_runner, "SPLIT", 8)
     runner = _runner(llama_pair, block_size=4)
-    runner.as_decode_max = model_runner.AS_DECODE_MAX  # Engine(exact_verification=True)
-    gen = torch.Generator().manual_seed(2)
-    prompt = torch.randint(4, llama_pair.vocab_size, (11,), generator=gen).tolist()
-    drafts = torch.randint(4, llama_pair.vocab_size, (4,), generator=gen).tolist()
-    siblings = tuple(torch.randint(4, llama_pair.vocab_size, (3,), generator=gen).tolist())
+    runner.exact_verification = True
+    prompt, drafts, siblings, _, out = _verify_pass(runner, llama_pair.vocab_size, 2, (11, 4, 3), every)
     tokens = prompt + drafts
-    kv = SequenceKV()
-    _scatter(runner, kv, len(tokens) + len(siblings), every)
-    runner.execute([PassRow(kv, prompt[:-1])])
-    out = runner.execute([PassRow(kv, tokens, read=len(drafts) + 1, siblings=siblings)])
     assert out.siblings == {0: 3}
 
     def decoded(text: list[int]) -> torch.Tensor:
