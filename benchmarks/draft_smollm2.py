@@ -20,7 +20,7 @@ cannot run this draft: it hands its assistant token ids only, and the draft read
 (printed, not measured).
 
     python benchmarks/draft_smollm2.py [--prompts 16] [--max-tokens 128] [--repeats 3] [--json out.json]
-        [--only speculative_gamma3 easd ...] [--exact-verification]
+        [--only speculative_gamma3 easd ...] [--exact-verification] [--draft-float32]
 """
 
 from __future__ import annotations
@@ -118,6 +118,11 @@ def main() -> None:
         help="verify each draft as the decode step it replaces would compute it (Engine.exact_verification)",
     )
     parser.add_argument(
+        "--draft-float32",
+        action="store_true",
+        help="run the draft's products in float32 (default: bfloat16 where it pays, Engine.draft_bfloat16)",
+    )
+    parser.add_argument(
         "--only", nargs="+", default=None, metavar="NAME", help="run these rows only (LargeOnly always runs)"
     )
     args = parser.parse_args()
@@ -126,6 +131,8 @@ def main() -> None:
     draft_dir = args.draft or str(smollm2.fast_draft())
     engine = Engine(load_pair(LoadConfig(small=draft_dir, large=large_dir, device="cpu")))
     engine.exact_verification = args.exact_verification
+    if args.draft_float32:
+        engine.draft_bfloat16 = False
     asked = (
         read_prompts(args.prompts_file)[: args.prompts] if args.prompts_file else smollm2.unseen_questions(args.prompts)
     )
@@ -212,6 +219,7 @@ def main() -> None:
     }
     small, large = engine.runners[Role.SMALL], engine.runners[Role.LARGE]
     cost = {f"draft_cost_{n}": forward_s(small, n, target=large) / forward_s(large, n) for n in (64, 256)}
+    draft_bfloat16 = engine.draft_bfloat16
     card_path = Path(draft_dir) / "draft_card.json"
     card = json.loads(card_path.read_text()) if card_path.exists() else {}
     engine.close()
@@ -222,6 +230,8 @@ def main() -> None:
         "prompts_from": args.prompts_file or "smollm2.unseen_questions",
         "max_tokens": args.max_tokens,
         "repeats": args.repeats,
+        "draft_products": "bfloat16" if draft_bfloat16 else "float32",
+        "exact_verification": args.exact_verification,
         "tokens_per_s": {k: spread(v) for k, v in rates.items()},
         "speedup_over_large_only": {k: spread(v) for k, v in speedups.items()},
         "same_text_as_large_only": {k: f"{v}/{len(prompts)}" for k, v in same.items()},
@@ -232,7 +242,10 @@ def main() -> None:
         "assisted_generation": "not run: transformers hands its assistant token ids only, and this draft reads "
         "the target's hidden states",
     }
-    print(f"machine: {report['machine']}; {len(prompts)} chat prompts, greedy, up to {args.max_tokens} tokens")
+    print(
+        f"machine: {report['machine']}; {len(prompts)} chat prompts, greedy, up to {args.max_tokens} tokens; the "
+        f"draft's products in {report['draft_products']}"
+    )
     print(f"{'':22} {'tokens/s':>9} {'vs LargeOnly (min-max)':>24} {'same text':>10} {'accepted':>9} {'L/token':>8}")
     for name in names:
         r = report["tokens_per_s"][name]["median"]

@@ -161,6 +161,11 @@ class PairModel(LoadOptions):
     """Attend each token a verification checks as a one-token decode step would, so greedy speculative decoding is
     LargeOnly's to the last bit (see the guide for its cost). None: the shared engine's current setting (by default
     on for large models of 50M parameters or more); a bool sets it for the engine, and every object sharing it."""
+    draft_bfloat16: bool | None = None
+    """Run the products of a draft that reads its target's hidden states (``ead-llm distill``) in bfloat16: about
+    half their time on a CPU with bfloat16 in hardware; greedy speculative decoding's text is unchanged. None: the
+    shared engine's current setting (by default on where it pays); a bool sets it for the engine (True only for
+    such a draft)."""
     pricing: Pricing | None = None
     """USD per million tokens per model; adds ``cost_usd`` to the cost dict."""
 
@@ -225,6 +230,8 @@ class PairModel(LoadOptions):
             self._engine.prefix_caching = self.prefix_caching
         if self.exact_verification is not None:
             self._engine.exact_verification = self.exact_verification
+        if self.draft_bfloat16 is not None:
+            self._engine.draft_bfloat16 = self.draft_bfloat16
         if self.policy is None:
             self.policy = stored_policy(small, large) or _uncalibrated(small, large)
 

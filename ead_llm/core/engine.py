@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ead_llm.core.frontend import Frontend, exact_by_default
+from ead_llm.core.frontend import Frontend, check_draft_bfloat16, exact_by_default
 from ead_llm.core.heap import frozen_heap
 from ead_llm.core.inputs import InputProcessor
 from ead_llm.core.kv_cache import DEFAULT_BLOCK_SIZE
@@ -73,6 +73,7 @@ class Engine(Frontend):
         *,
         return_hidden_states: bool = False,
         exact_verification: bool | None = None,
+        draft_bfloat16: bool | None = None,
     ) -> None:
         self.pair = pair
         self.tokenizer = pair.tokenizer
@@ -85,6 +86,7 @@ class Engine(Frontend):
         self.kv_block_size = check_int("kv_block_size", kv_block_size, minimum=1)
         if not isinstance(return_hidden_states, bool):
             raise ValueError(f"return_hidden_states must be True or False, got {return_hidden_states!r}")
+        check_draft_bfloat16(pair, draft_bfloat16)
         self.caches = self._caches()
         large = self.caches[Role.LARGE]
         self.runners = {
@@ -94,12 +96,15 @@ class Engine(Frontend):
                 pair.vocab_size,
                 self.caches[role],
                 target_cache=large if role is Role.SMALL else None,
+                draft_bfloat16=draft_bfloat16,
             )
             for role in Role
         }
         if self.runners[Role.SMALL].reads_features or return_hidden_states:  # a draft reads them (EAGLE-style)
             self.runners[Role.LARGE].keep_features(pair.large.info.source)
         self.exact_verification = exact_by_default(pair) if exact_verification is None else exact_verification
+        if draft_bfloat16 is not None:
+            self.draft_bfloat16 = draft_bfloat16  # warns where it could not be had
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         if return_hidden_states:

@@ -8,11 +8,13 @@ scheduler thread that runs it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from ead_llm.accounting.ledger import Pricing
+from ead_llm.core.fused_draft import reads_features
 from ead_llm.core.grammar import GrammarCompiler
 from ead_llm.core.inputs import InputProcessor, check_requests
 from ead_llm.core.kv_cache import KVCache
@@ -27,6 +29,7 @@ from ead_llm.core.types import Role
 from ead_llm.core.validation import check_float, check_int
 
 StreamT = TypeVar("StreamT", EventStream, AsyncEventStream)
+logger = logging.getLogger(__name__)
 EXACT_MIN_PARAMETERS = 50_000_000
 """Large models from this many parameters verify exactly by default. What exactness costs is a fixed few us per
 verified token per layer in the attention kernel, so it depends on how much the forward costs beside it (one
@@ -37,6 +40,20 @@ time and 0.94-1.00x at 16 rows; the embedded pair's 3.4M-parameter model 0.95-0.
 def exact_by_default(pair: ModelPair) -> bool:
     """Whether ``pair``'s engine verifies exactly unless told (:attr:`Frontend.exact_verification`)."""
     return sum(p.numel() for p in pair.large.model.parameters()) >= EXACT_MIN_PARAMETERS
+
+
+def check_draft_bfloat16(pair: ModelPair, on: Any) -> None:
+    """Refuse a ``draft_bfloat16`` that is not a bool or None, or True for a pair whose small model is not a draft
+    reading its target's hidden states (:attr:`Frontend.draft_bfloat16`)."""
+    if on is None:
+        return
+    if not isinstance(on, bool):
+        raise ValueError(f"draft_bfloat16 must be True or False (or None: where it pays), got {on!r}")
+    if on and not reads_features(pair.small.model):
+        raise ValueError(
+            f"draft_bfloat16 applies to a draft that reads its target's hidden states (ead-llm distill); the small "
+            f"model {pair.small.info.source} is an ordinary model: leave draft_bfloat16 unset"
+        )
 
 
 FrontendT = TypeVar("FrontendT", bound="Frontend")
@@ -135,6 +152,29 @@ class Frontend:
             raise ValueError(f"exact_verification must be True or False, got {on!r}")
         for runner in self.runners.values():
             runner.exact_verification = on
+
+    @property
+    def draft_bfloat16(self) -> bool:
+        """Whether the small model, a draft that reads its target's hidden states (``ead-llm distill``), runs its
+        products in bfloat16: about half their time where they are memory-bound, as a draft's are at a few rows. Its
+        tokens are proposals the large model checks, so greedy speculative decoding's text is the same either way;
+        which drafts stand may change. On by default where the CPU multiplies bfloat16 in hardware and the draft's
+        products weigh 4 MB or more; a CPU whose bfloat16 products would give a row other bits in another batch keeps
+        them float32 (a warning says so when asked for)."""
+        return self.runners[Role.SMALL].draft_bfloat16
+
+    @draft_bfloat16.setter
+    def draft_bfloat16(self, on: bool) -> None:
+        if on is None:
+            raise ValueError("draft_bfloat16 must be True or False, got None")
+        check_draft_bfloat16(self.pair, on)
+        runner = self.runners[Role.SMALL]
+        runner.draft_bfloat16 = on
+        if on and not runner.draft_bfloat16:
+            logger.warning(
+                "ead-llm: the draft's products stay float32: bfloat16 needs a float32 draft on a CPU whose oneDNN "
+                "gives a row the same bits in every batch, which this one does not"
+            )
 
     def set_limits(
         self, max_batch: int | None = None, kv_budget_tokens: int | None = None, kv_block_size: int | None = None

@@ -16,9 +16,12 @@ import torch
 from torch.nn import functional as F
 
 from ead_llm.core.fused_llama import (
+    BFLOAT16,
+    PACK_MIN_BYTES,
     FusedLayer,
     Projection,
     RotaryTable,
+    bfloat16_native,
     choose_kernel,
     first_kernel,
     rms_norm,
@@ -37,7 +40,8 @@ def reads_features(model: Any) -> bool:
 class FusedDraft:
     """A feature-reading draft's forward on a packed batch."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, bfloat16: bool | None = None) -> None:
+        """``bfloat16``: run the products in bfloat16 (:meth:`use_bfloat16`; None: where it pays)."""
         kernel = first_kernel(model)
         self.embedding = model.embed_tokens.weight
         self.fc = Projection(model.fc.weight, None, kernel=kernel)
@@ -46,11 +50,39 @@ class FusedDraft:
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = Projection(model.head.weight, None, kernel=kernel)
         self.projections = [self.fc, self.head, *(p for layer in self.layers for p in layer.projections)]
-        choose_kernel(self.projections)
+        self.float32_kernel = choose_kernel(self.projections)
         tune_widths(self.projections)
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)
+        self.bfloat16 = False
+        """Whether the products run in bfloat16 (:data:`~ead_llm.core.fused_llama.BFLOAT16`)."""
+        self.use_bfloat16(self.bfloat16_pays() if bfloat16 is None else bfloat16)
+
+    def bfloat16_pays(self) -> bool:
+        """Whether bfloat16 products are the default here: a CPU with bfloat16 in hardware, and products of at least
+        :data:`~ead_llm.core.fused_llama.PACK_MIN_BYTES` (a smaller draft's stay in the cache, where a call's fixed
+        cost outweighs the bytes)."""
+        size = sum(p.weight.numel() * p.weight.element_size() for p in self.projections)
+        return self.float32_kernel is not None and size >= PACK_MIN_BYTES and bfloat16_native()
+
+    def use_bfloat16(self, on: bool) -> bool:  # noqa: FBT001 (a setter's value)
+        """Run the products in bfloat16 (``on``) or as the model's float32 (its kernel as
+        :func:`~ead_llm.core.fused_llama.choose_kernel` chose it); returns whether they now run in bfloat16. A draft's
+        tokens are proposals its target checks, so greedy speculative decoding's text does not change; which drafts
+        stand may. Where a row's bits would depend on its batch (or the model is not float32 on a CPU) they stay
+        float32."""
+        if on == self.bfloat16 or self.float32_kernel is None:  # nothing prepared: F.linear on the model's weights
+            return self.bfloat16
+        kernel = BFLOAT16 if on else self.float32_kernel
+        if all(p.use(kernel) for p in self.projections):
+            self.bfloat16 = on
+        else:  # every product in one precision
+            for p in self.projections:
+                p.use(self.float32_kernel)
+            self.bfloat16 = False
+        tune_widths(self.projections)
+        return self.bfloat16
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, batch: PackedBatch, features: torch.Tensor

@@ -23,6 +23,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +65,18 @@ on the machine and the model: on an AMD EPYC (Zen 4) oneDNN's packed products ra
 BLAS; on an Intel Xeon with AVX-512 the embedded large model's decode forward took 1.80 ms with oneDNN and 1.46 ms
 with BLAS (a packed call costs about 20 us there before any arithmetic), while SmolLM2 still ran faster packed.
 :func:`choose_kernel` times both per model and records the choice for the machine."""
+
+BFLOAT16 = "onednn-bf16"
+"""A projection kernel that changes a model's arithmetic, for drafts only
+(:class:`ead_llm.core.fused_draft.FusedDraft`): oneDNN's linear on the weight packed in bfloat16, the rows cast to
+bfloat16 and the result back to float32. A draft's products are memory-bound at a few rows, and half the bytes cost
+about half the time (the shipped SmolLM2 draft's products at one row with the caches cold, as after the target's
+pass: 1.5 against 2.9 ms on an Intel Xeon with AMX). Never chosen by timing as :data:`KERNELS` are:
+:meth:`Projection.use` takes it where a row's bits are the same in every call of 1 to :data:`BF16_ROWS` rows."""
+BF16_ROWS = 64
+"""A :data:`BFLOAT16` projection runs its rows in calls of at most this many: oneDNN's bfloat16 product takes
+another path for larger calls (on an Intel Xeon, a row's bits among 200 rows differed from its bits among 64 for a
+1,536-wide input), while 1 to 64 rows gave each row the same bits on every shape of the shipped draft."""
 
 PACK_MIN_BYTES = 4 * 2**20
 """Models smaller than this run through BLAS without timing oneDNN: a packed call has a fixed cost (about 12 us
@@ -107,7 +120,8 @@ class Projection:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, kernel: str | None) -> None:
         self.weight, self.bias = weight, bias
         self.kernel: str | None = None
-        """One of :data:`KERNELS`, or None: ``F.linear`` on the model's own weight."""
+        """One of :data:`KERNELS` (or :data:`BFLOAT16`, for a draft), or None: ``F.linear`` on the model's own
+        weight."""
         self.packed: torch.Tensor | None = None
         """The weight as the kernel reads it (oneDNN's blocked layout, or transposed for BLAS)."""
         self.pad_single = False
@@ -129,28 +143,33 @@ class Projection:
         if kernel is None:
             self.kernel, self.packed, self.pad_single = None, None, False
             return True
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {KERNELS} or None, got {kernel!r}")
-        if kernel == "onednn" and ONEDNN is None:
+        if kernel not in (*KERNELS, BFLOAT16):
+            raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16)} or None, got {kernel!r}")
+        if kernel != "blas" and ONEDNN is None:
             return False
         weight = self.weight.detach()
-        was = (self.kernel, self.packed)
+        was = (self.kernel, self.packed, self.pad_single)
         self.kernel = kernel
-        self.packed = ONEDNN[1](weight, PACK_ROWS) if kernel == "onednn" else weight.t().contiguous()  # type: ignore[index]
+        if kernel == "blas":
+            self.packed = weight.t().contiguous()
+        elif kernel == "onednn":
+            self.packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
+        else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
+            self.packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
         key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
         if key not in _AGREEMENT:
-            _AGREEMENT[key] = self._rows_agree()
+            _AGREEMENT[key] = self._rows_agree(range(2, BF16_ROWS + 1) if kernel == BFLOAT16 else PROBE_ROWS[1:])
         single, others = _AGREEMENT[key]
-        if not others:
-            self.kernel, self.packed = was
+        if not others or (kernel == BFLOAT16 and not single):
+            self.kernel, self.packed, self.pad_single = was
             return False
         self.pad_single = not single
         return True
 
-    def _rows_agree(self) -> tuple[bool, bool]:
-        """Whether rows called alone, and rows called in smaller groups, get the bits they get among 64 (which code
-        path a kernel takes for a row count depends on the shape and the CPU, so it is asked, not assumed: another
-        path sums in another order and differs on random rows)."""
+    def _rows_agree(self, counts: Iterable[int]) -> tuple[bool, bool]:
+        """Whether rows called alone, and rows called in groups of each of ``counts``, get the bits they get among
+        64 (which code path a kernel takes for a row count depends on the shape and the CPU, so it is asked, not
+        assumed: another path sums in another order and differs on random rows)."""
         probe = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             together = self._packed(probe)
@@ -160,7 +179,7 @@ class Projection:
                     self._packed(probe[-rows:]), together[-rows:]
                 )
 
-            return agree(1), all(agree(rows) for rows in PROBE_ROWS[1:])
+            return agree(1), all(agree(rows) for rows in counts)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
@@ -169,6 +188,12 @@ class Projection:
             out = torch.mm(flat, self.packed) if self.bias is None else torch.addmm(self.bias, flat, self.packed)
             return out.view(*x.shape[:-1], out.shape[-1])
         assert ONEDNN is not None
+        if self.kernel == BFLOAT16:
+            flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+            bias = None if self.bias is None else self.bias.to(torch.bfloat16)
+            pieces = [ONEDNN[0](piece, self.packed, bias, "none", [], "") for piece in flat.split(BF16_ROWS)]
+            out = (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).float()
+            return out.view(*x.shape[:-1], out.shape[-1])
         return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
 
     def width(self, rows: int) -> int:
@@ -367,6 +392,15 @@ def _record_kernel(key: str, kernel: str, costs: dict[str, float]) -> None:
         os.replace(scratch, path)
     except OSError:
         pass
+
+
+def bfloat16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware for oneDNN (AVX-512 BF16 or AMX; elsewhere oneDNN converts,
+    and :data:`BFLOAT16` would not pay)."""
+    try:
+        return ONEDNN is not None and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def supports(model: Any) -> bool:

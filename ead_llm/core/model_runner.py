@@ -477,11 +477,13 @@ class ModelRunner:
         *,
         fused: bool = True,
         target_cache: KVCache | None = None,
+        draft_bfloat16: bool | None = None,
     ) -> None:
         """``fused``: run Llama-family models through :mod:`ead_llm.core.fused_llama` (their q/k/v and
         gate/up weights become views of fused tensors); otherwise, and for other models, through
         transformers' modules with the paged attention. ``target_cache``: the target's cache, where a draft
-        that reads the target's hidden states finds them (:mod:`ead_llm.core.fused_draft`)."""
+        that reads the target's hidden states finds them (:mod:`ead_llm.core.fused_draft`); ``draft_bfloat16``:
+        whether such a draft's products run in bfloat16 (:attr:`draft_bfloat16`; None: where it pays)."""
         self.role: Role = loaded.role
         self.model = loaded.model
         self.device = device
@@ -498,7 +500,7 @@ class ModelRunner:
                 raise ValueError(
                     f"{loaded.info.source}: a draft that reads its target's hidden states needs the target"
                 )
-            self._draft = FusedDraft(self.model)
+            self._draft = FusedDraft(self.model, bfloat16=draft_bfloat16)
         self._fused = FusedLlama(self.model) if fused and supports_fused(self.model) else None
         if self._fused is None and self._draft is None and not getattr(self.model, "handles_ead_batch", False):
             if not getattr(self.model, "_supports_attention_backend", False):
@@ -515,6 +517,17 @@ class ModelRunner:
         self.exact_verification = False
         """Whether a row's tokens past a one-token decode each attend as a decode step would (:data:`AS_DECODE_MAX`);
         off, only one-token rows do."""
+
+    @property
+    def draft_bfloat16(self) -> bool:
+        """Whether this runner's model is a draft reading its target's hidden states whose products run in
+        bfloat16 (:meth:`ead_llm.core.fused_draft.FusedDraft.use_bfloat16`)."""
+        return self._draft is not None and self._draft.bfloat16
+
+    @draft_bfloat16.setter
+    def draft_bfloat16(self, on: bool) -> None:
+        if self._draft is not None:
+            self._draft.use_bfloat16(on)
 
     def keep_features(self, source: str) -> None:
         """Store every position's final hidden state in the cache, for a draft that reads them."""

@@ -278,8 +278,9 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
         config["json_bounds"] = None
     if args.no_prefix_caching:
         config["prefix_caching"] = False
-    if args.exact_verification is not None:
-        config["exact_verification"] = args.exact_verification
+    for setting in ("exact_verification", "draft_bfloat16"):
+        if getattr(args, setting) is not None:
+            config[setting] = getattr(args, setting)
     return config
 
 
@@ -654,6 +655,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="verify each speculative draft as the decode step it replaces would compute it, so greedy speculative "
         "decoding is the large model's to the last bit (default: on for large models of 50M parameters or more)",
+    )
+    serve.add_argument(
+        "--draft-bfloat16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run the products of a draft that reads the large model's hidden states (ead-llm distill) in bfloat16 "
+        "(default: on where the CPU multiplies bfloat16 in hardware and the draft's products weigh 4 MB or more)",
     )
     serve.add_argument(
         "--no-json-bounds",

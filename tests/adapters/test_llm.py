@@ -126,6 +126,17 @@ def test_exact_verification_is_an_engine_wide_setting(llm: EntropyAdaptiveLLM, l
         engine.exact_verification = False
 
 
+def test_draft_bfloat16_is_for_a_draft_that_reads_its_targets_features(llm: EntropyAdaptiveLLM, llama_paths) -> None:
+    """This pair's small model is an ordinary one: asking for its products in bfloat16 is refused, and says why."""
+    paths = {"small": str(llama_paths[0]), "large": str(llama_paths[1])}
+    assert llm.shared_engine.draft_bfloat16 is False
+    with pytest.raises(ValueError, match="applies to a draft that reads its target's hidden states"):
+        EntropyAdaptiveLLM(**paths, draft_bfloat16=True)
+    with pytest.raises(ValueError, match="draft_bfloat16"):
+        EntropyAdaptiveLLM(**paths, draft_bfloat16=[1])
+    assert EntropyAdaptiveLLM(**paths, draft_bfloat16=False).shared_engine is llm.shared_engine
+
+
 def test_prices_give_cost_usd(llama_paths) -> None:
     llm = EntropyAdaptiveLLM(
         small=str(llama_paths[0]),

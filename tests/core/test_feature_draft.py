@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
+from ead_llm.core.fused_llama import BFLOAT16, ONEDNN
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.model_runner import ModelRunner, PassRow
@@ -162,3 +163,79 @@ def test_a_draft_runner_without_its_target_is_refused(feature_pair: tuple[Path, 
     pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
     with pytest.raises(ValueError, match="needs the target"):
         ModelRunner(pair.small, pair.device, pair.vocab_size, KVCache(1))
+
+
+def _bfloat16_rows_agree(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's bfloat16 product gives each of 64 rows the same bits in calls of 1 to 64 rows."""
+    linear, pack = ONEDNN  # type: ignore[misc]
+    packed = pack(weight.detach().to(torch.bfloat16), 1)
+    x = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    whole = linear(x, packed, None, "none", [], "")
+    return all(torch.equal(linear(x[:n], packed, None, "none", [], ""), whole[:n]) for n in range(1, 65))
+
+
+def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
+    feature_pair: tuple[Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Asked for (this tiny draft is under the size where it is the default), the draft's products run in
+    bfloat16: its logits move by bfloat16's rounding, greedy speculative decoding still writes LargeOnly's text, a
+    seeded sampled request gets the same text alone and third in a batch, and turning it off gives float32's bits
+    back. Where this CPU's oneDNN would give a row other bits in another batch, the engine says so and keeps
+    float32."""
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    assert Engine(pair).draft_bfloat16 is False  # under 4 MB of products: float32 unless asked
+    engine = Engine(pair, draft_bfloat16=True)
+    kernels = {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
+    if not engine.draft_bfloat16:  # refused: only where oneDNN's bfloat16 rows differ between calls here
+        assert BFLOAT16 not in kernels and "stay float32" in caplog.text
+        assert not all(_bfloat16_rows_agree(p.weight) for p in engine.runners[Role.SMALL]._draft.projections)  # type: ignore[union-attr]
+        return
+    assert kernels == {BFLOAT16}
+    tokens = torch.randint(5, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+
+    def draft_logits() -> torch.Tensor:
+        s_kv, l_kv = SequenceKV(), SequenceKV()
+        engine.caches[Role.SMALL].reserve(s_kv, len(tokens))
+        engine.caches[Role.LARGE].reserve(l_kv, len(tokens))
+        engine.runners[Role.LARGE].execute([PassRow(l_kv, tokens[:6])])
+        out = engine.runners[Role.SMALL].execute([PassRow(s_kv, tokens, read=9, target=l_kv)]).rows(0)
+        engine.caches[Role.SMALL].free(s_kv)
+        engine.caches[Role.LARGE].free(l_kv)
+        return out
+
+    with torch.inference_mode():
+        low = draft_logits()
+        engine.draft_bfloat16 = False
+        assert {p.kernel for p in engine.runners[Role.SMALL]._draft.projections} != {BFLOAT16}  # type: ignore[union-attr]
+        full = draft_logits()
+        reference = Engine(pair, draft_bfloat16=False)
+        engine.draft_bfloat16 = True
+    finite = full.isfinite()
+    assert torch.equal(low.isfinite(), finite) and not torch.equal(low, full)
+    assert (low - full)[finite].abs().max() <= 0.05 * full[finite].abs().max()
+    assert [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=3))] == [
+        o.token_ids for o in _generate(reference, LargeOnly())
+    ]
+    sampled = SpeculativeDecoding(gamma=2)
+    batch = _generate(engine, sampled, temperature=0.9, seed=7)
+    alone = engine.generate(
+        [Request("def add(a, b):", sampled, SamplingParams(max_tokens=24, temperature=0.9, seed=7))]
+    )
+    assert alone[0].token_ids == batch[2].token_ids
+    engine.close()
+    reference.close()
+
+
+def test_draft_bfloat16_takes_a_bool_for_a_feature_draft_only(feature_pair: tuple[Path, Path], llama_pair) -> None:
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    with pytest.raises(ValueError, match="draft_bfloat16 must be True or False"):
+        Engine(pair, draft_bfloat16="yes")  # type: ignore[arg-type]
+    engine = Engine(pair)
+    with pytest.raises(ValueError, match="draft_bfloat16 must be True or False"):
+        engine.draft_bfloat16 = None  # type: ignore[assignment]
+    engine.close()
+    with pytest.raises(ValueError, match="applies to a draft that reads its target's hidden states"):
+        Engine(llama_pair, draft_bfloat16=True)
+    ordinary = Engine(llama_pair, draft_bfloat16=False)
+    assert ordinary.draft_bfloat16 is False
+    ordinary.close()

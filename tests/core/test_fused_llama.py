@@ -13,6 +13,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from ead_llm.core import fused_llama
 from ead_llm.core.fused_llama import (
+    BF16_ROWS,
+    BFLOAT16,
     KERNELS,
     ONEDNN,
     PACK_MIN_BYTES,
@@ -101,6 +103,53 @@ def test_a_prepared_projection_gives_each_row_the_same_bits_whatever_rows_share_
             assert torch.equal(projection(x[:rows]), whole[:rows])
             assert torch.equal(projection(x[-rows:]), whole[-rows:])
         assert torch.equal(projection(x[None, 5:6])[0], whole[5:6])  # one row as the fused pass sends it
+
+
+@pytest.mark.parametrize("shape", [(576, 1536), (40, 24)], ids=["wide-input", "narrow"])
+def test_a_bfloat16_projection_gives_each_row_the_same_bits_in_any_call_near_float32s(shape: tuple[int, int]) -> None:
+    """A draft's bfloat16 products: a row's bits are the same whatever rows share its call, more than
+    :data:`BF16_ROWS` included (oneDNN takes another path for larger calls, so they run in pieces); the results are
+    float32, within bfloat16's rounding of F.linear's and not equal to them. Where this CPU's oneDNN would give a
+    row other bits in another call, the projection refuses and keeps its kernel."""
+    gen = torch.Generator().manual_seed(4)
+    weight, bias = torch.randn(shape, generator=gen) * 0.05, torch.randn(shape[0], generator=gen)
+    projection = Projection(weight, bias, kernel="onednn")
+    before = projection.kernel
+    assert ONEDNN is not None, "the CPU build of torch this project pins ships oneDNN"
+    x = torch.randn(2 * BF16_ROWS + 22, shape[1], generator=gen)
+    with torch.inference_mode():
+        if not projection.use(BFLOAT16):
+            assert projection.kernel == before  # refused, and justly: some call of up to 64 rows differs
+            packed = ONEDNN[1](weight.to(torch.bfloat16), 1)
+            rows = [
+                ONEDNN[0](x[:n].to(torch.bfloat16), packed, bias.to(torch.bfloat16), "none", [], "") for n in (1, 64)
+            ]
+            parts = [
+                ONEDNN[0](x[:n].to(torch.bfloat16), packed, bias.to(torch.bfloat16), "none", [], "")
+                for n in range(1, 65)
+            ]
+            assert any(not torch.equal(part, rows[1][: len(part)]) for part in parts)
+            return
+        assert projection.kernel == BFLOAT16
+        whole = projection(x)
+        assert whole.dtype == torch.float32
+        for rows in (1, 2, 3, 5, 17, 63, BF16_ROWS, BF16_ROWS + 1, 100, len(x)):
+            assert torch.equal(projection(x[:rows]), whole[:rows])
+            assert torch.equal(projection(x[-rows:]), whole[-rows:])
+        assert torch.equal(projection(x[None, 5:6])[0], whole[5:6])
+        exact = F.linear(x, weight, bias)
+        assert not torch.equal(whole, exact)
+        assert (whole - exact).abs().max() <= 0.02 * exact.abs().max()
+        assert projection.use(before) and torch.equal(projection(x), Projection(weight, bias, kernel=before)(x))
+
+
+def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    projection = Projection(torch.randn(8, 4), None, kernel="onednn")
+    packed = projection.packed
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, False))
+    assert projection.use(BFLOAT16) is False
+    assert projection.kernel == "onednn" and projection.packed is packed
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE)

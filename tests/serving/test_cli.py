@@ -135,6 +135,9 @@ def test_serve_can_lift_the_json_bounds() -> None:
     assert serve_config(build_parser().parse_args(["serve", "--exact-verification"]))["exact_verification"] is True
     assert "exact_verification" not in serve_config(build_parser().parse_args(["serve"]))
     assert serve_config(build_parser().parse_args(["serve", "--no-exact-verification"]))["exact_verification"] is False
+    assert serve_config(build_parser().parse_args(["serve", "--draft-bfloat16"]))["draft_bfloat16"] is True
+    assert serve_config(build_parser().parse_args(["serve", "--no-draft-bfloat16"]))["draft_bfloat16"] is False
+    assert "draft_bfloat16" not in serve_config(build_parser().parse_args(["serve"]))
 
 
 def test_parsing_and_help_import_neither_torch_nor_the_frameworks() -> None:
