@@ -160,7 +160,8 @@ class Frontend:
         tokens are proposals the large model checks, so greedy speculative decoding's text is the same either way;
         which drafts stand may change. On by default where the CPU multiplies bfloat16 in hardware and the draft's
         products weigh 4 MB or more; a CPU whose bfloat16 products would give a row other bits in another batch keeps
-        them float32 (a warning says so when asked for)."""
+        them float32 (a warning says so when asked for). Change it while nothing runs: a pass under way may read
+        both kernels."""
         return self.runners[Role.SMALL].draft_bfloat16
 
     @draft_bfloat16.setter
@@ -172,8 +173,8 @@ class Frontend:
         runner.draft_bfloat16 = on
         if on and not runner.draft_bfloat16:
             logger.warning(
-                "ead-llm: the draft's products stay float32: bfloat16 needs a float32 draft on a CPU whose oneDNN "
-                "gives a row the same bits in every batch, which this one does not"
+                "ead-llm: the draft's products stay as they are: bfloat16 products need a float32 draft on a CPU "
+                "whose oneDNN gives a row the same bits in every batch"
             )
 
     def set_limits(

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
+from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
 from ead_llm.core.fused_llama import BFLOAT16, ONEDNN
 from ead_llm.core.kv_cache import KVCache, SequenceKV
@@ -187,7 +188,7 @@ def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     engine = Engine(pair, draft_bfloat16=True)
     kernels = {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     if not engine.draft_bfloat16:  # refused: only where oneDNN's bfloat16 rows differ between calls here
-        assert BFLOAT16 not in kernels and "stay float32" in caplog.text
+        assert BFLOAT16 not in kernels and "stay as they are" in caplog.text
         assert not all(_bfloat16_rows_agree(p.weight) for p in engine.runners[Role.SMALL]._draft.projections)  # type: ignore[union-attr]
         return
     assert kernels == {BFLOAT16}
@@ -239,3 +240,22 @@ def test_draft_bfloat16_takes_a_bool_for_a_feature_draft_only(feature_pair: tupl
     ordinary = Engine(llama_pair, draft_bfloat16=False)
     assert ordinary.draft_bfloat16 is False
     ordinary.close()
+
+
+def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_says_so(
+    feature_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    probe = fused_llama.Projection._rows_agree
+    monkeypatch.setattr(
+        fused_llama.Projection,
+        "_rows_agree",
+        lambda self, counts: (True, False) if self.kernel == BFLOAT16 else probe(self, counts),
+    )
+    engine = Engine(pair, draft_bfloat16=True)
+    assert engine.draft_bfloat16 is False and "stay as they are" in caplog.text
+    assert BFLOAT16 not in {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
+    want = [o.token_ids for o in _generate(engine, LargeOnly())]
+    assert [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=3))] == want
+    engine.close()
