@@ -345,7 +345,7 @@ class Example:
     """Which of the question's answers: 0 greedy, the others sampled."""
     features: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids), H]
     best: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # [len(ids) - 1 - start]: target's argmax
-    written_as: dict[str, float] | None = None
+    written_as: dict[str, float | str] | None = None
     """How the answer was written (:func:`answers_written_as`); None in data files from before it was kept."""
 
 
@@ -353,9 +353,26 @@ ANSWER_TEMPERATURE, ANSWER_TOP_P = 0.8, 0.95
 """How the target samples the answers after the first (greedy) one."""
 
 
-def answers_written_as(seed: int, max_tokens: int) -> dict[str, float]:
-    """How answers are written (kept with them: a data file's answers are reused only if it is equal)."""
-    return {"seed": seed, "max_tokens": max_tokens, "temperature": ANSWER_TEMPERATURE, "top_p": ANSWER_TOP_P}
+def answers_written_as(seed: int, max_tokens: int, dtype: str | None = None) -> dict[str, float | str]:
+    """How answers are written (kept with them: a data file's answers are reused only if it is equal); ``dtype``:
+    the target's when it was not float32 (:data:`DATA_DTYPES`)."""
+    how: dict[str, float | str] = {
+        "seed": seed,
+        "max_tokens": max_tokens,
+        "temperature": ANSWER_TEMPERATURE,
+        "top_p": ANSWER_TOP_P,
+    }
+    return how if dtype in (None, "float32") else {**how, "dtype": str(dtype)}
+
+
+DATA_DTYPES = ("float32", "bfloat16")
+"""What the target may write its training answers (and their features) in. ``bfloat16`` writes more of them in the
+same time on a CPU with bfloat16 in hardware; the held-out answers that score the draft are written in float32
+whatever is chosen. Measured (SmolLM2, 2 threads, 96-token answers to the built-in questions, 600 steps each, scored
+on float32 answers to 82 questions neither saw): float32 answers to 600 questions (1,200, 351 s) gave a draft agreeing
+on 0.386 / 0.347 / 0.332 of tokens by token of a round; bfloat16 answers to 1,000 (2,000, 437 s) 0.403 / 0.358 /
+0.339. Features of the same text in the two precisions had a cosine of 0.9998, and the head's best token on them
+agreed at 99.4%."""
 
 
 def written(
@@ -388,7 +405,7 @@ def written(
             )
             requests.append(Request(rendered, LargeOnly(), params, sample_index=k))
         out = []
-        written_as = answers_written_as(seed, max_tokens)
+        written_as = answers_written_as(seed, max_tokens, dtype)
         for first in range(0, len(requests), CHUNK):
             chunk = []
             part = requests[first : first + CHUNK]
@@ -460,26 +477,53 @@ def generated(engine: Engine, requests: list[Request]) -> list[Completion]:
 
 
 def gathered(
-    source: str, asked: dict[int, str], kept: dict[int, int], seed: int, max_tokens: int, data: str | None
+    source: str,
+    asked: dict[int, str],
+    kept: dict[int, int],
+    seed: int,
+    max_tokens: int,
+    data: str | None,
+    dtype: str | None = None,
+    held: frozenset[int] = frozenset(),
 ) -> list[Example]:
-    """The target's answers (``kept[q]`` to each question ``q``) with their features.
+    """The target's answers (``kept[q]`` to each question ``q``) with their features, written in ``dtype``
+    (:data:`DATA_DTYPES`) but for the ``held`` questions', written in float32.
 
     With ``data``, what the file holds is reused and only the missing answers are written (a second run with more
-    questions or samples adds to it). A file whose answers were written otherwise (another seed, length or
-    sampling) is refused: they are not this run's answers."""
+    questions or samples adds to it; an answer written in another precision than this run's is written again). A file
+    whose answers were written otherwise (another seed, length or sampling) is refused: they are not this run's
+    answers."""
     cached = Path(data) if data else None
     examples: list[Example] = torch.load(cached, weights_only=False) if cached and cached.exists() else []
     written_as = answers_written_as(seed, max_tokens)
-    other = next((e.written_as for e in examples if e.written_as not in (None, written_as)), None)
+    other = next(
+        (e.written_as for e in examples if e.written_as is not None and _but_dtype(e.written_as) != written_as), None
+    )
     if other is not None:
         raise ValueError(f"{data}'s answers were written as {other}, not {written_as}: use another --data file")
-    have = {(e.question, e.sample) for e in examples}
+
+    def wanted_as(question: int) -> dict[str, float | str]:
+        return answers_written_as(seed, max_tokens, None if question in held else dtype)
+
+    fits = [e for e in examples if (e.written_as or written_as) == wanted_as(e.question)]
+    have = {(e.question, e.sample) for e in fits}
     missing = [(q, k) for q in sorted(kept) for k in range(kept[q]) if (q, k) not in have]
     if missing:
-        examples += written(source, asked, missing, seed, max_tokens, None)
+        exact = [(q, k) for q, k in missing if wanted_as(q) == written_as]
+        rest = [(q, k) for q, k in missing if wanted_as(q) != written_as]
+        examples = fits + [
+            e
+            for part, how in ((exact, None), (rest, dtype))
+            if part
+            for e in written(source, asked, part, seed, max_tokens, how)
+        ]
         if cached is not None:
             torch.save(examples, cached)
     return [e for e in examples if e.sample < kept.get(e.question, 0)]
+
+
+def _but_dtype(written_as: dict[str, float | str]) -> dict[str, float | str]:
+    return {k: v for k, v in written_as.items() if k != "dtype"}
 
 
 def batches(examples: list[Example], size: int) -> list[list[Example]]:
@@ -667,11 +711,15 @@ def distill(
     bfloat16: bool = False,
     threads: int | None = None,
     data: str | None = None,
+    data_dtype: str = "float32",
     exclude: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """See the module docstring; returns the card written beside the draft."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if data_dtype not in DATA_DTYPES:
+        raise ValueError(f"--data-dtype must be one of {DATA_DTYPES}, got {data_dtype!r}")
 
     register()
     if threads is not None:
@@ -681,11 +729,12 @@ def distill(
     written_own = own_questions_kept(source, own_questions, seed, data)
     asked.update({OWN_FIRST + i: q for i, q in enumerate(written_own)})
     kept = asked_once(asked, excluded(asked, exclude))
-    examples = gathered(source, asked, {q: own_samples if is_own(q) else samples for q in kept}, seed, max_tokens, data)
-    target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(source)
     rng = random.Random(seed)
     held_questions = held_out_of_both(kept, rng)
+    per_question = {q: own_samples if is_own(q) else samples for q in kept}
+    examples = gathered(source, asked, per_question, seed, max_tokens, data, data_dtype, frozenset(held_questions))
+    target = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source)
     held = [e for e in examples if e.question in held_questions]
     train = [e for e in examples if e.question not in held_questions]
     if not train or not held:
@@ -775,6 +824,7 @@ def distill(
         "lr": lr,
         "batch": batch,
         "precision": "bfloat16 autocast" if bfloat16 else "float32",
+        "data_dtype": f"training answers written in {data_dtype}, held-out ones in float32",
         "seed": seed,
         "budget": f"{steps} steps" if steps is not None else f"{minutes:g} minutes",
         "seconds_total": round(time.perf_counter() - started),

@@ -326,3 +326,38 @@ def test_own_questions_join_the_set_without_moving_its_held_out_questions(
     assert again["held_out_questions"] == 1 + 2
     with pytest.raises(ValueError, match="use another --data file"):  # its answers belong to other questions
         distill.distill(str(target), tmp_path / "d", steps=1, questions=12, own_questions=24, data=data, seed=1)
+
+
+def test_training_answers_can_be_written_in_bfloat16_and_held_out_ones_stay_float32(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--data-dtype bfloat16``: the target writes the training answers in bfloat16 and the held-out answers that
+    score the draft in float32, and the data file says which is which; a float32 run on the same file writes again
+    the training answers only, and a bfloat16 run after it again those."""
+    calls: list[tuple[list[tuple[int, int]], str | None]] = []
+    write = distill.written
+
+    def counted(source: str, prompts: list[str], wanted: list[tuple[int, int]], *rest: object) -> list:
+        calls.append((list(wanted), rest[-1]))  # type: ignore[arg-type]
+        return write(source, prompts, wanted, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(distill, "written", counted)
+    data = tmp_path / "data.pt"
+    card = distill.main(_args(target, tmp_path / "a", "--data", str(data), "--data-dtype", "bfloat16"))
+    assert card["data_dtype"] == "training answers written in bfloat16, held-out ones in float32"
+    examples = torch.load(data, weights_only=False)
+    held = {e.question for e in examples if "dtype" not in e.written_as}
+    assert len(held) == card["held_out_questions"] == 1  # a tenth of 12
+    assert all(e.written_as["dtype"] == "bfloat16" for e in examples if e.question not in held)
+    everything = sorted((q, k) for q in range(12) for k in range(2))
+    assert sorted(calls[0][0] + calls[1][0]) == everything and {c[1] for c in calls} == {None, "bfloat16"}
+    assert next(c[0] for c in calls if c[1] is None) == [(q, k) for q in sorted(held) for k in range(2)]
+    del calls[:]
+    distill.main(_args(target, tmp_path / "b", "--data", str(data)))  # float32: the training answers again
+    assert calls == [([(q, k) for q, k in everything if q not in held], None)]
+    assert all("dtype" not in e.written_as for e in torch.load(data, weights_only=False))
+    del calls[:]
+    distill.main(_args(target, tmp_path / "c", "--data", str(data), "--data-dtype", "bfloat16"))
+    assert calls == [([(q, k) for q, k in everything if q not in held], "bfloat16")]
+    with pytest.raises(SystemExit):
+        distill.main(_args(target, tmp_path / "d", "--data-dtype", "float16"))
