@@ -93,10 +93,13 @@ def _generate(engine: Engine, policy: object, **params: object) -> list[object]:
     return engine.generate([Request(p, policy, sampling) for p in prompts])  # type: ignore[arg-type]
 
 
-def test_speculative_decoding_with_a_feature_draft_is_lossless(feature_pair: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32-draft", "bfloat16-draft"])
+def test_speculative_decoding_with_a_feature_draft_is_lossless(feature_pair: tuple[Path, Path], bfloat16: bool) -> None:
     """Greedy speculative decoding (fixed and adaptive gamma) writes LargeOnly's text, and seeded sampling
-    gives the same text twice; drafts are accepted (the draft is its target's last layer) and some rejected."""
-    engine = Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")))
+    gives the same text twice; drafts are accepted (the draft is its target's last layer) and some rejected. The
+    same with the draft's products in bfloat16."""
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=bfloat16)
     reference = [o.token_ids for o in _generate(engine, LargeOnly())]
     accepted = drafted = 0
     for policy in (
@@ -116,8 +119,10 @@ def test_speculative_decoding_with_a_feature_draft_is_lossless(feature_pair: tup
     engine.close()
 
 
-def test_every_policy_stays_defined_with_a_feature_draft(feature_pair: tuple[Path, Path]) -> None:
-    engine = Engine(load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")))
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32-draft", "bfloat16-draft"])
+def test_every_policy_stays_defined_with_a_feature_draft(feature_pair: tuple[Path, Path], bfloat16: bool) -> None:
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=bfloat16)
     for policy in (
         SmallOnly(),
         EAD(threshold=0.5, window=2, min_dwell=2),
