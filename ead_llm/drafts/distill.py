@@ -511,7 +511,8 @@ def gathered(
     if missing:
         exact = [(q, k) for q, k in missing if wanted_as(q) == written_as]
         rest = [(q, k) for q, k in missing if wanted_as(q) != written_as]
-        examples = fits + [
+        rewritten = set(missing)  # (answers this run does not ask for stay as they were, whatever their precision)
+        examples = [e for e in examples if (e.question, e.sample) not in rewritten] + [
             e
             for part, how in ((exact, None), (rest, dtype))
             if part

@@ -359,5 +359,9 @@ def test_training_answers_can_be_written_in_bfloat16_and_held_out_ones_stay_floa
     del calls[:]
     distill.main(_args(target, tmp_path / "c", "--data", str(data), "--data-dtype", "bfloat16"))
     assert calls == [([(q, k) for q, k in everything if q not in held], "bfloat16")]
+    distill.main(_args(target, tmp_path / "e", "--data", str(data), "--questions", "8"))  # float32, fewer questions
+    kept = torch.load(data, weights_only=False)
+    assert sorted((e.question, e.sample) for e in kept) == everything  # those it did not ask for are kept
+    assert all(e.written_as.get("dtype") == "bfloat16" for e in kept if e.question >= 8 and e.question not in held)
     with pytest.raises(SystemExit):
         distill.main(_args(target, tmp_path / "d", "--data-dtype", "float16"))
