@@ -110,6 +110,13 @@ _AGREEMENT: dict[tuple[Any, ...], tuple[bool, bool]] = {}
 probed count agrees)."""
 
 
+def _takes(kernel: str, agreement: tuple[bool, bool]) -> bool:
+    """Whether a projection may run on ``kernel`` given its probe (one row alone agrees, every other count agrees):
+    every count must agree, and for :data:`BFLOAT16` one row alone too (it is not sent as two)."""
+    single, others = agreement
+    return others and (single or kernel != BFLOAT16)
+
+
 class Projection:
     """``F.linear`` with one weight (and bias), for inference. On CPU in float32 the weight is prepared once for one
     of :data:`KERNELS` (a second copy of it: the model's own stays for its modules) and every call reads it there:
@@ -147,6 +154,10 @@ class Projection:
             raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16)} or None, got {kernel!r}")
         if kernel != "blas" and ONEDNN is None:
             return False
+        key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
+        agreement = _AGREEMENT.get(key)
+        if agreement is not None and not _takes(kernel, agreement):  # refused before: nothing to pack or probe
+            return False
         weight = self.weight.detach()
         was = (self.kernel, self.packed, self.pad_single)
         self.kernel = kernel
@@ -156,14 +167,13 @@ class Projection:
             self.packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
         else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
             self.packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
-        key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
-        if key not in _AGREEMENT:
-            _AGREEMENT[key] = self._rows_agree(range(2, BF16_ROWS + 1) if kernel == BFLOAT16 else PROBE_ROWS[1:])
-        single, others = _AGREEMENT[key]
-        if not others or (kernel == BFLOAT16 and not single):
+        if agreement is None:
+            counts = range(2, BF16_ROWS + 1) if kernel == BFLOAT16 else PROBE_ROWS[1:]
+            agreement = _AGREEMENT[key] = self._rows_agree(counts)
+        if not _takes(kernel, agreement):
             self.kernel, self.packed, self.pad_single = was
             return False
-        self.pad_single = not single
+        self.pad_single = not agreement[0]
         return True
 
     def _rows_agree(self, counts: Iterable[int]) -> tuple[bool, bool]:

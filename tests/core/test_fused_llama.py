@@ -144,12 +144,19 @@ def test_a_bfloat16_projection_gives_each_row_the_same_bits_in_any_call_near_flo
 
 
 def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    projection = Projection(torch.randn(8, 4), None, kernel="onednn")
+    """A projection refuses bfloat16 where its probe finds a row's bits follow its call, keeping its kernel; a second
+    projection of the same shape is then refused from that probe, without packing a copy or probing again."""
+    projection, other = (Projection(torch.randn(8, 4), None, kernel="onednn") for _ in "ab")
     packed = projection.packed
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
-    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, False))
+    probes: list[int] = []
+    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: probes.append(1) or (True, False))
     assert projection.use(BFLOAT16) is False
     assert projection.kernel == "onednn" and projection.packed is packed
+    assert fused_llama.ONEDNN is not None
+    monkeypatch.setattr(fused_llama, "ONEDNN", (fused_llama.ONEDNN[0], lambda *args: pytest.fail("packed again")))
+    assert other.use(BFLOAT16) is False and other.kernel == "onednn"
+    assert probes == [1]
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE)
