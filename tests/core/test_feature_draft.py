@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
-from ead_llm.core.fused_llama import BFLOAT16, ONEDNN
+from ead_llm.core.fused_llama import BFLOAT16
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.model_runner import ModelRunner, PassRow
@@ -21,6 +21,7 @@ from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.drafts.model import FeatureDraft, assemble, new_draft, own_state, previous, register, target_features
 from ead_llm.testing.tiny import TinyShape, build_tiny_pair, byte_bpe_tokenizer
+from tests.core.test_fused_llama import bfloat16_rows_agree
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
 
@@ -171,15 +172,6 @@ def test_a_draft_runner_without_its_target_is_refused(feature_pair: tuple[Path, 
         ModelRunner(pair.small, pair.device, pair.vocab_size, KVCache(1))
 
 
-def _bfloat16_rows_agree(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's bfloat16 product gives each of 64 rows the same bits in calls of 1 to 64 rows."""
-    linear, pack = ONEDNN  # type: ignore[misc]
-    packed = pack(weight.detach().to(torch.bfloat16), 1)
-    x = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    whole = linear(x, packed, None, "none", [], "")
-    return all(torch.equal(linear(x[:n], packed, None, "none", [], ""), whole[:n]) for n in range(1, 65))
-
-
 def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     feature_pair: tuple[Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -194,7 +186,7 @@ def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     kernels = {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     if not engine.draft_bfloat16:  # refused: only where oneDNN's bfloat16 rows differ between calls here
         assert BFLOAT16 not in kernels and "stay as they are" in caplog.text
-        assert not all(_bfloat16_rows_agree(p.weight) for p in engine.runners[Role.SMALL]._draft.projections)  # type: ignore[union-attr]
+        assert not all(bfloat16_rows_agree(p.weight) for p in engine.runners[Role.SMALL]._draft.projections)  # type: ignore[union-attr]
         return
     assert kernels == {BFLOAT16}
     tokens = torch.randint(5, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
