@@ -61,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--exclude",
+        nargs="+",
         default=None,
-        help="leave out these questions, JSON lines with a prompt or plain lines (default: none)",
+        metavar="FILE",
+        help="leave out the questions in these files, JSON lines with a prompt or plain lines (default: none)",
     )

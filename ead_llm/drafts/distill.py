@@ -36,7 +36,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -713,7 +713,7 @@ def distill(
     threads: int | None = None,
     data: str | None = None,
     data_dtype: str = "float32",
-    exclude: str | None = None,
+    exclude: str | Sequence[str] | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """See the module docstring; returns the card written beside the draft."""
@@ -861,12 +861,14 @@ def _rounded(values: list[float]) -> list[float]:
     return [round(v, 4) for v in values]
 
 
-def excluded(asked: dict[int, str], exclude: str | None) -> set[int]:
-    """Indices of the questions to use: all but those in the file ``exclude`` (JSON lines with a ``prompt``, or
-    one question per line), e.g. a benchmark's prompts, so that it measures the draft on questions it never saw."""
+def excluded(asked: dict[int, str], exclude: str | Sequence[str] | None) -> set[int]:
+    """Indices of the questions to use: all but those in the file or files ``exclude`` (JSON lines with a
+    ``prompt``, or one question per line), e.g. a benchmark's prompts, so that it measures the draft on questions it
+    never saw."""
     if exclude is None:
         return set(asked)
-    lines = [line.strip() for line in Path(exclude).read_text().splitlines() if line.strip()]
+    files = [exclude] if isinstance(exclude, str) else list(exclude)
+    lines = [line.strip() for f in files for line in Path(f).read_text().splitlines() if line.strip()]
     banned = {json.loads(line)["prompt"] if line.startswith("{") else line for line in lines}
     return {i for i, q in asked.items() if q not in banned}
 
@@ -883,7 +885,9 @@ def held_out(kept: set[int], rng: random.Random) -> set[int]:
     return set(order[: max(1, len(order) // 10)])
 
 
-def held_out_questions(seed: int = 0, count: int | None = None, exclude: str | None = None) -> list[str]:
+def held_out_questions(
+    seed: int = 0, count: int | None = None, exclude: str | Sequence[str] | None = None
+) -> list[str]:
     """The questions ``distill`` with these options held out: a draft never trained on their answers."""
     asked = questions_of(seed, count)
     return [asked[i] for i in sorted(held_out(excluded(asked, exclude), random.Random(seed)))]

@@ -116,6 +116,9 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
     listed.write_text(f'{{"prompt": "{asked[4]}", "answer": "x"}}\n\n{asked[7]}\n')
     assert distill.excluded(asked, str(listed)) == set(range(30)) - {4, 7}
     assert distill.excluded(asked, None) == set(range(30))
+    other = tmp_path / "own.jsonl"
+    other.write_text(f"{asked[9]}\n")
+    assert distill.excluded(asked, [str(listed), str(other)]) == set(range(30)) - {4, 7, 9}
     assert distill.questions_of(0, 30) == asked and distill.questions_of(1, 30) != asked  # seeded order
 
 
@@ -156,8 +159,9 @@ def test_the_cli_runs_the_subcommand(target: Path, tmp_path: Path, capsys: pytes
 
 
 def test_the_cli_has_the_subcommand() -> None:
-    args = build_parser().parse_args(["distill", "--large", "m", "--out", "o", "--steps", "2", "--exclude", "b.jsonl"])
-    assert args.steps == 2 and args.exclude == "b.jsonl" and args.func.__name__ == "cmd_distill"
+    argv = ["distill", "--large", "m", "--out", "o", "--steps", "2", "--exclude", "b.jsonl", "c.jsonl"]
+    args = build_parser().parse_args(argv)
+    assert args.steps == 2 and args.exclude == ["b.jsonl", "c.jsonl"] and args.func.__name__ == "cmd_distill"
 
 
 @torch.inference_mode()
