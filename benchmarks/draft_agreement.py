@@ -8,8 +8,11 @@ the one before, zeros over the prompt, as the card's figure), and, for the secon
 on its own guesses of the features before them (as it drafts them; :mod:`ead_llm.drafts.unroll`).
 
     OMP_NUM_THREADS=1 python benchmarks/draft_agreement.py [--draft DIR ...] [--samples 3] [--max-tokens 96]
+        [--prompts-file benchmarks/smollm2_own_questions.jsonl]
 
-Several drafts are scored on the same answers (written once), so their figures compare.
+``--prompts-file`` scores on those questions instead (e.g. the own questions an earlier run held out, which a later
+run with more own questions was told to leave out). Several drafts are scored on the same answers (written once),
+so their figures compare.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ead_llm.drafts.distill import REPORTED_STEPS, agreement, held_out_questions, register, written
+from ead_llm.serving.cli import read_prompts
 from ead_llm.testing import smollm2
 
 
@@ -32,6 +36,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=3, help="answers per question, the first greedy")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--prompts-file",
+        default=None,
+        help="score on these questions (JSON lines with a prompt, or one per line) instead of those distill held out",
+    )
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM
@@ -39,12 +48,16 @@ def main() -> None:
     register()
     target_dir = str(smollm2.full_model())
     drafts = args.draft or [str(smollm2.fast_draft())]
-    asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
+    if args.prompts_file:
+        asked = read_prompts(args.prompts_file)
+    else:
+        asked = held_out_questions(args.seed, exclude=str(smollm2.BENCH_TASK))
     wanted = [(q, k) for q in range(len(asked)) for k in range(args.samples)]
     examples = written(target_dir, dict(enumerate(asked)), wanted, args.seed, args.max_tokens, None)
     greedy = [e for e in examples if e.sample == 0]
     sampled = [e for e in examples if e.sample]
     figures: dict[str, object] = {
+        "questions_from": args.prompts_file or "held out by distill (seed, --exclude docs/bench-smollm2)",
         "questions": len(asked),
         "answers": len(examples),
         "round_tokens": REPORTED_STEPS,
