@@ -5,6 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+DATA_DTYPES = ("float32", "bfloat16")
+"""What the target may write its training answers (and their features) in. ``bfloat16`` writes more of them in the
+same time on a CPU with bfloat16 in hardware; the held-out answers that score the draft are written in float32
+whatever is chosen. Measured (SmolLM2, 2 threads, 96-token answers to the built-in questions, 600 steps each, scored
+on float32 answers to 82 questions neither saw): float32 answers to 600 questions (1,200, 351 s) gave a draft agreeing
+on 0.386 / 0.347 / 0.332 of tokens by token of a round; bfloat16 answers to 1,000 (2,000, 437 s) 0.403 / 0.358 /
+0.339. Features of the same text in the two precisions had a cosine of 0.9998, and the head's best token on them
+agreed at 99.4%."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``ead-llm distill`` (and ``python -m ead_llm.drafts.distill``)."""
@@ -54,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data-dtype",
-        choices=("float32", "bfloat16"),
+        choices=DATA_DTYPES,
         default="float32",
         help="write the training answers and their features with the target in this precision: bfloat16 writes "
         "more in the same time on a CPU with bfloat16 in hardware (held-out answers stay float32; default float32)",

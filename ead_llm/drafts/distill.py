@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from ead_llm.drafts import add_arguments
+from ead_llm.drafts import DATA_DTYPES, add_arguments
 from ead_llm.drafts.model import (
     OWN,
     FeatureDraft,
@@ -363,16 +363,6 @@ def answers_written_as(seed: int, max_tokens: int, dtype: str | None = None) -> 
         "top_p": ANSWER_TOP_P,
     }
     return how if dtype in (None, "float32") else {**how, "dtype": str(dtype)}
-
-
-DATA_DTYPES = ("float32", "bfloat16")
-"""What the target may write its training answers (and their features) in. ``bfloat16`` writes more of them in the
-same time on a CPU with bfloat16 in hardware; the held-out answers that score the draft are written in float32
-whatever is chosen. Measured (SmolLM2, 2 threads, 96-token answers to the built-in questions, 600 steps each, scored
-on float32 answers to 82 questions neither saw): float32 answers to 600 questions (1,200, 351 s) gave a draft agreeing
-on 0.386 / 0.347 / 0.332 of tokens by token of a round; bfloat16 answers to 1,000 (2,000, 437 s) 0.403 / 0.358 /
-0.339. Features of the same text in the two precisions had a cosine of 0.9998, and the head's best token on them
-agreed at 99.4%."""
 
 
 def written(
