@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DATA_DTYPES = ("float32", "bfloat16")
 """What the target may write its training answers (and their features) in. ``bfloat16`` writes more of them in the
@@ -13,6 +14,19 @@ on float32 answers to 82 questions neither saw): float32 answers to 600 question
 on 0.386 / 0.347 / 0.332 of tokens by token of a round; bfloat16 answers to 1,000 (2,000, 437 s) 0.403 / 0.358 /
 0.339. Features of the same text in the two precisions had a cosine of 0.9998, and the head's best token on them
 agreed at 99.4%."""
+
+
+HUGE_PAGES = "THP_MEM_ALLOC_ENABLE"
+"""torch's switch for transparent huge pages under its CPU tensors of 2 MB or more."""
+
+
+def prefer_huge_pages() -> None:
+    """Have torch back large CPU tensors with transparent huge pages in this process, unless the caller set
+    :data:`HUGE_PAGES` already. Training's largest tensors (a batch's head logits: 2,400 rows x 8,192 floats for
+    SmolLM2, 78 MB) are larger than glibc's largest mmap threshold, so each is otherwise mapped and zeroed again 4 KB
+    at a time at every use. Measured (SmolLM2, 100 steps of 3 passes, 2 threads): 26.8 million page faults and 221 s
+    without, 1.7 million and 196 s with, the same loss. Takes effect only before torch's first allocation."""
+    os.environ.setdefault(HUGE_PAGES, "1")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.nn import functional as F
 
-from ead_llm.drafts import DATA_DTYPES, add_arguments
+from ead_llm.drafts import DATA_DTYPES, add_arguments, prefer_huge_pages
 from ead_llm.drafts.model import (
     OWN,
     FeatureDraft,
@@ -672,6 +672,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and save a draft; return its card."""
+    prefer_huge_pages()
     p = parser()
     args = p.parse_args(argv)
     try:

@@ -5,6 +5,7 @@ options are refused before any model loads."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -149,6 +150,29 @@ def test_a_missing_target_folder_is_named(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit) as exit_info:
         distill.main(["--large", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--steps", "1"])
     assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", ["cli", "module"])
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_distill_asks_for_huge_pages_unless_the_caller_chose(
+    entry: str, preset: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both entry points turn on torch's huge pages for the training process (fewer page faults under the batch's
+    large tensors), and leave a caller's own setting as it is."""
+    from ead_llm.drafts import HUGE_PAGES
+    from ead_llm.serving.cli import main as cli_main
+
+    if preset is None:
+        monkeypatch.delenv(HUGE_PAGES, raising=False)
+    else:
+        monkeypatch.setenv(HUGE_PAGES, preset)
+    argv = ["--large", str(tmp_path), "--out", str(tmp_path / "x"), "--steps", "0"]
+    if entry == "cli":  # refused after the setting, before any model loads
+        assert cli_main(["distill", *argv]) == 2
+    else:
+        with pytest.raises(SystemExit):
+            distill.main(argv)
+    assert os.environ[HUGE_PAGES] == (preset or "1")
 
 
 def test_the_cli_runs_the_subcommand(target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
