@@ -648,6 +648,7 @@ def parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check parsed options (a ``ValueError`` naming the option) and distill; return the card."""
+    prefer_huge_pages()  # both entry points come here before torch allocates anything (importing it does not)
     for name in ("steps", "layers", "vocab", "samples", "questions", "max_tokens", "batch", "depth", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -672,7 +673,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Train and save a draft; return its card."""
-    prefer_huge_pages()
     p = parser()
     args = p.parse_args(argv)
     try:

@@ -437,9 +437,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_distill(args: argparse.Namespace) -> int:
-    from ead_llm.drafts import prefer_huge_pages
-
-    prefer_huge_pages()  # before torch allocates anything
     from ead_llm.drafts.distill import run
 
     card = run(args)
