@@ -9,9 +9,11 @@ same draft, steps, schedule and training-time test, only what the draft reads at
   entries of a low, a middle and a high layer). It starts as the ``final`` draft where ``final`` is listed (the
   map passes it through, zeros on the others); otherwise from the highest layer listed.
 
-A variant may end in ``:L`` for a draft of ``L`` decoder layers (default 1), to weigh reading more against more
-capacity. Each draft is scored as ``distill``'s card scores it: top-1 agreement on held-out answers by token of a
-round.
+A variant may end in ``:L`` for a draft of ``L`` decoder layers (default 1), or ``:L:W`` for layers whose MLP is
+``W`` times the target's width (default 1; :func:`ead_llm.drafts.model.widened`), to weigh reading more against more
+capacity.
+
+Each draft is scored as ``distill``'s card scores it: top-1 agreement on held-out answers by token of a round.
 
     OMP_NUM_THREADS=2 python benchmarks/fused_features.py --data DATA.pt --reads final 2,15,final 2,15,27 final:2
 
@@ -99,12 +101,13 @@ def trained(
     reads: list[str],
     layers: Layers,
     draft_layers: int = 1,
+    mlp_width: int = 1,
 ) -> FeatureDraft:
     """A draft of ``draft_layers`` layers trained as ``distill`` trains it (AdamW, warm-up and cosine decay, zero
     prompt features three times in four, training-time test over ``--depth`` passes from half-way), reading
     ``reads``."""
     torch.manual_seed(args.seed)
-    draft = new_draft(target, index, draft_layers).float()
+    draft = new_draft(target, index, draft_layers, mlp_width).float()
     if reads != ["final"]:
         hidden = draft.config.hidden_size
         draft.fuse = nn.Linear(len(reads) * hidden, hidden, bias=False)
@@ -143,6 +146,12 @@ def trained(
     return draft.eval()
 
 
+def parse(variant: str) -> tuple[list[str], int, int]:
+    """``READS[:LAYERS[:WIDTH]]`` -> (what it reads, its layers, its MLP's width as a multiple of the target's)."""
+    parts = variant.split(":")
+    return parts[0].split(","), int(parts[1]) if len(parts) > 1 else 1, int(parts[2]) if len(parts) > 2 else 1
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="a `distill --data` file")
@@ -164,8 +173,8 @@ def main() -> None:
     train, held = rng.sample(train, min(args.train, len(train))), rng.sample(held, min(args.held, len(held)))
     target_dir = args.target or str(smollm2.full_model())
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    variants = {v: (v.split(":")[0].split(","), int(v.split(":")[1]) if ":" in v else 1) for v in args.reads}
-    wanted = sorted({int(n) for names, _ in variants.values() for n in names if n != "final"})
+    variants = {v: parse(v) for v in args.reads}
+    wanted = sorted({int(n) for names, _, _ in variants.values() for n in names if n != "final"})
     started = time.perf_counter()
     layers = entering(target, [*train, *held], wanted) if wanted else {}
     took = time.perf_counter() - started
@@ -174,9 +183,9 @@ def main() -> None:
     eos = target.generation_config.eos_token_id
     index = distill.frequent_tokens(train, 8192, vocab, [eos] if isinstance(eos, int) else list(eos or []))
     figures: dict[str, Any] = {"train": len(train), "held": len(held), "steps": args.steps}
-    for reads, (names, draft_layers) in variants.items():
+    for reads, (names, draft_layers, mlp_width) in variants.items():
         started = time.perf_counter()
-        draft = trained(target, index, train, args, names, layers, draft_layers)
+        draft = trained(target, index, train, args, names, layers, draft_layers, mlp_width)
         reader = partial(read, reads=names, layers=layers)
         figures[reads] = [round(a, 4) for a in distill.agreement(draft, held, depth=args.depth, read=reader)]
         print(f"reads {reads}: agreement by token of a round {figures[reads]} ({time.perf_counter() - started:.0f} s)")

@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="questions, split, batches and noise (default 0)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers of the draft (default 1, as EAGLE)")
+    p.add_argument(
+        "--mlp-width",
+        type=int,
+        default=1,
+        help="each draft layer's MLP has this many times the target's units (default 1)",
+    )
     p.add_argument("--vocab", type=int, default=8192, help="tokens the draft's head keeps (default 8192)")
     p.add_argument("--samples", type=int, default=4, help="answers per question: 1 greedy, the rest sampled")
     p.add_argument("--questions", type=int, default=None, help="use only the first N questions (default: all)")

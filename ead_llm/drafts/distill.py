@@ -649,7 +649,18 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Check parsed options (a ``ValueError`` naming the option) and distill; return the card."""
     prefer_huge_pages()  # both entry points come here before torch allocates anything (importing it does not)
-    for name in ("steps", "layers", "vocab", "samples", "questions", "max_tokens", "batch", "depth", "threads"):
+    for name in (
+        "steps",
+        "layers",
+        "mlp_width",
+        "vocab",
+        "samples",
+        "questions",
+        "max_tokens",
+        "batch",
+        "depth",
+        "threads",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -690,6 +701,7 @@ def distill(
     steps: int | None = None,
     seed: int = 0,
     layers: int = 1,
+    mlp_width: int = 1,
     vocab: int = 8192,
     samples: int = 4,
     questions: int | None = None,
@@ -738,7 +750,7 @@ def distill(
         1, sum(len(e.ids) - e.start - 1 for e in held)
     )
     torch.manual_seed(seed)
-    draft = new_draft(target, index, layers).float()
+    draft = new_draft(target, index, layers, mlp_width).float()
     del target
     before = agreement(draft.eval(), held)[0]
     data_s = time.perf_counter() - started
@@ -802,8 +814,9 @@ def distill(
     )
     card = {
         "target": source,
-        "design": f"{layers} decoder layer(s) over the target's final hidden states and token embeddings "
-        "(EAGLE-style), "
+        "design": f"{layers} decoder layer(s)"
+        + (f" with {mlp_width} times the target's MLP units" if mlp_width > 1 else "")
+        + " over the target's final hidden states and token embeddings (EAGLE-style), "
         f"head restricted to the target's {index.numel()} most frequent tokens (FR-Spec)",
         "data": f"{len(train) - own_train} answers the target wrote to "
         f"{len({e.question for e in train}) - own_asked} seeded chat questions "

@@ -130,19 +130,21 @@ def previous(features: torch.Tensor) -> torch.Tensor:
     return F.pad(features[:, :-1], (0, 0, 1, 0))
 
 
-def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1) -> FeatureDraft:
+def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1, mlp_width: int = 1) -> FeatureDraft:
     """A draft of ``layers`` decoder layers for ``target`` (a Llama-family causal LM), initialised from the
     target's last ``layers`` layers, its embeddings and head rows (``vocab_index``: the tokens it may draft) the
-    target's, frozen."""
+    target's, frozen. ``mlp_width``: each layer's MLP has that many times the target's units (:func:`widened`)."""
     if not 1 <= layers <= len(target.model.layers):
         raise ValueError(f"a draft has 1 to {len(target.model.layers)} layers for this target, not {layers}")
+    if not 1 <= mlp_width <= len(target.model.layers):
+        raise ValueError(f"a draft's MLP is 1 to {len(target.model.layers)} times the target's width, not {mlp_width}")
     source = target.config
     config = FeatureDraftConfig(
         draft_vocab_size=int(vocab_index.numel()),
         num_hidden_layers=layers,
         vocab_size=int(source.vocab_size),
         hidden_size=int(source.hidden_size),
-        intermediate_size=int(source.intermediate_size),
+        intermediate_size=int(source.intermediate_size) * mlp_width,
         num_attention_heads=int(source.num_attention_heads),
         num_key_value_heads=int(getattr(source, "num_key_value_heads", source.num_attention_heads)),
         head_dim=int(getattr(source, "head_dim", source.hidden_size // source.num_attention_heads)),
@@ -158,13 +160,41 @@ def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1) -> Featur
         draft.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
         draft.head.weight.copy_(target.get_output_embeddings().weight[vocab_index])
         draft.vocab_index.copy_(vocab_index)  # type: ignore[operator]
-        for mine, theirs in zip(draft.layers, target.model.layers[-layers:], strict=True):
-            mine.load_state_dict(theirs.state_dict())
+        first = len(target.model.layers) - layers
+        for i, mine in enumerate(draft.layers):
+            mine.load_state_dict(widened(target.model.layers, first + i, mlp_width))
         draft.norm.weight.copy_(target.model.norm.weight)
         hidden = config.hidden_size
         draft.fc.weight.zero_()
         draft.fc.weight[:, :hidden].copy_(torch.eye(hidden))  # starts as the embedding alone
     return draft.to(target.dtype)
+
+
+def widened(layers: Any, i: int, times: int) -> dict[str, torch.Tensor]:
+    """The state of the target's decoder layer ``layers[i]`` with ``times`` its MLP units: the added units take the
+    gate and up rows of the layers before it (``i - 1``, ``i - 2``, ... wrapping round) and zero down columns, so the
+    layer computes what the target's does and training grows the rest (Net2Net-style growth)."""
+    state = dict(layers[i].state_dict())
+    donors = [layers[(i - k) % len(layers)].mlp for k in range(1, times)]
+    if donors:
+        down = state["mlp.down_proj.weight"]
+        state["mlp.gate_proj.weight"] = torch.cat(
+            [state["mlp.gate_proj.weight"], *(d.gate_proj.weight for d in donors)]
+        )
+        state["mlp.up_proj.weight"] = torch.cat([state["mlp.up_proj.weight"], *(d.up_proj.weight for d in donors)])
+        state["mlp.down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], down.shape[1] * len(donors))], 1)
+    return state
+
+
+def mlp_width_of(target: Any, config: FeatureDraftConfig) -> int:
+    """How many times the target's MLP width a draft's config has (a ``ValueError`` where it is no whole multiple)."""
+    times, rest = divmod(int(config.intermediate_size), int(target.config.intermediate_size))
+    if rest or times < 1:
+        raise ValueError(
+            f"the draft's MLP width {config.intermediate_size} is no multiple of its target's "
+            f"{target.config.intermediate_size}: is it this target's draft?"
+        )
+    return times
 
 
 OWN = ("fc.", "layers.", "norm.")
@@ -180,7 +210,7 @@ def own_state(draft: FeatureDraft) -> dict[str, torch.Tensor]:
 
 def assemble(target: Any, config: FeatureDraftConfig, own: dict[str, torch.Tensor]) -> FeatureDraft:
     """A whole draft from its own weights (:func:`own_state`) and ``target``'s embeddings and head."""
-    draft = new_draft(target, own["vocab_index"].long(), int(config.num_hidden_layers))
+    draft = new_draft(target, own["vocab_index"].long(), int(config.num_hidden_layers), mlp_width_of(target, config))
     if draft.config.draft_vocab_size != config.draft_vocab_size:
         raise ValueError("the draft's head size does not match its weights")
     missing = [k for k in draft.state_dict() if k.startswith(OWN) and k not in own]

@@ -25,21 +25,29 @@ from tests.core.test_fused_llama import bfloat16_rows_agree
 from tests.tiny_pairs import BPE_CORPUS, CHAT_TEMPLATE
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1-layer-draft", "2-layer-draft"])
+@pytest.fixture(
+    scope="module", params=[(1, 1), (2, 1), (2, 2)], ids=["1-layer-draft", "2-layer-draft", "2-layer-wide-draft"]
+)
 def feature_pair(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, Path]:
-    """A tiny Llama target of one or two layers with a chat template, and a draft of as many layers made from it:
-    its layers are the target's (so on its own it mostly agrees), its join slightly off the identity (so the
-    features matter) and its head without every 7th token (so some drafts must be rejected)."""
+    """A tiny Llama target of one or two layers with a chat template, and a draft of as many layers made from it
+    (in the wide one, MLPs of twice the target's units): its layers are the target's (so on its own it mostly
+    agrees), its join slightly off the identity (so the features matter), its added MLP units' down columns not
+    zero (so they count) and its head without every 7th token (so some drafts must be rejected)."""
+    layers, mlp_width = request.param
     root = tmp_path_factory.mktemp("feature-pair")
     tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
     tokenizer.chat_template = CHAT_TEMPLATE
-    shape = TinyShape(hidden=64, layers=request.param, heads=4, mlp=128)
+    shape = TinyShape(hidden=64, layers=layers, heads=4, mlp=128)
     _, large = build_tiny_pair(root, tokenizer=tokenizer, large=shape)
     target = AutoModelForCausalLM.from_pretrained(large)
-    draft = new_draft(target, torch.tensor([t for t in range(len(tokenizer)) if t % 7]), layers=request.param)
-    assert len(draft.layers) == request.param
+    draft = new_draft(target, torch.tensor([t for t in range(len(tokenizer)) if t % 7]), layers, mlp_width)
+    assert len(draft.layers) == layers
+    assert all(layer.mlp.down_proj.weight.shape == (64, 128 * mlp_width) for layer in draft.layers)
+    noise = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.02)
+        draft.fc.weight.add_(torch.randn(draft.fc.weight.shape, generator=noise) * 0.02)
+        for layer in draft.layers:
+            layer.mlp.down_proj.weight[:, 128:].add_(torch.randn(64, 128 * (mlp_width - 1), generator=noise) * 0.02)
     draft.save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
     return root / "draft", large
@@ -157,6 +165,38 @@ def test_a_draft_has_at_most_its_targets_layers(feature_pair: tuple[Path, Path])
     for layers in (0, len(target.model.layers) + 1):
         with pytest.raises(ValueError, match="1 to"):
             new_draft(target, torch.arange(10), layers)
+    for mlp_width in (0, len(target.model.layers) + 1):
+        with pytest.raises(ValueError, match="times the target's width"):
+            new_draft(target, torch.arange(10), 1, mlp_width)
+
+
+@torch.inference_mode()
+def test_a_wider_draft_starts_as_the_target_layers_it_copies(tmp_path: Path) -> None:
+    """The added MLP units take other layers' gate and up rows but zero down columns: before training, a draft of
+    twice and three times the width computes what the plain one does; its own weights rebuild it."""
+    tokenizer = byte_bpe_tokenizer(BPE_CORPUS, vocab_size=320)
+    _, large = build_tiny_pair(tmp_path, tokenizer=tokenizer, large=TinyShape(hidden=64, layers=3, heads=4, mlp=128))
+    target = AutoModelForCausalLM.from_pretrained(large).eval()
+    index = torch.arange(1, 300)
+    ids = torch.tensor([[5, 9, 40, 77, 3, 120]])
+    features = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(1))
+    plain = new_draft(target, index).eval()
+    for times in (2, 3):
+        wide = new_draft(target, index, 1, times).eval()
+        mlp = wide.layers[0].mlp
+        assert mlp.gate_proj.weight.shape[0] == 128 * times and not mlp.down_proj.weight[:, 128:].any()
+        assert mlp.gate_proj.weight[128:].abs().sum() > 0  # the donors' rows, so the added units learn at once
+        for a, b in zip(wide.draft_forward(ids, features), plain.draft_forward(ids, features), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        again = assemble(target, wide.config, own_state(wide))
+        assert torch.equal(again(ids).logits, wide(ids).logits)
+
+
+def test_a_draft_config_whose_mlp_is_no_multiple_of_its_targets_is_refused(feature_pair: tuple[Path, Path]) -> None:
+    draft, target = _models(feature_pair)
+    config = draft.config.__class__.from_dict({**draft.config.to_dict(), "intermediate_size": 200})
+    with pytest.raises(ValueError, match="no multiple of its target"):
+        assemble(target, config, own_state(draft))
 
 
 def test_a_feature_draft_needs_a_llama_family_target(feature_pair: tuple[Path, Path], tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ def _args(target: Path, out: Path, *extra: str) -> list[str]:
     return ["--large", str(target), "--out", str(out), "--steps", "2", "--threads", "1", *small, *extra]
 
 
-TRAINED = ("--seed", "3", "--depth", "2", "--bfloat16")
-"""The fixture's draft: training-time test over 2 passes, under bfloat16 autocast."""
+TRAINED = ("--seed", "3", "--depth", "2", "--bfloat16", "--mlp-width", "2")
+"""The fixture's draft: training-time test over 2 passes, under bfloat16 autocast, its MLP twice the target's."""
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,7 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     assert card["top1_agreement_by_round_token"][0] == card["top1_agreement_after"]
     assert len(card["top1_agreement_by_round_token_greedy_answers"]) == distill.REPORTED_STEPS
     assert "2 passes of training-time test" in card["objective"] and card["precision"] == "bfloat16 autocast"
+    assert card["design"].startswith("1 decoder layer(s) with 2 times the target's MLP units")
     assert 0.0 < card["head_coverage"] <= 1.0
     assert (out / "draft_card.json").is_file() and "top1_agreement_after" in (out / "README.md").read_text()
     from transformers import AutoModelForCausalLM
@@ -68,7 +69,9 @@ def test_two_steps_write_a_draft_with_its_card(target: Path, trained: tuple[Path
     assert draft.vocab_index.numel() == 200
     # trained: the layer moved away from the target's last layer it started as; the embeddings stayed the target's
     moved = draft.layers[0].mlp.down_proj.weight
-    assert not torch.equal(moved, large.model.layers[-1].mlp.down_proj.weight)
+    assert moved.shape == (64, 2 * 128) and draft.config.intermediate_size == 2 * 128
+    assert not torch.equal(moved[:, :128], large.model.layers[-1].mlp.down_proj.weight)
+    assert moved[:, 128:].any()  # the added units, started at zero, learned
     assert torch.equal(draft.embed_tokens.weight, large.model.embed_tokens.weight)
     assert torch.equal(draft.head.weight, large.lm_head.weight[draft.vocab_index])
 
@@ -129,6 +132,7 @@ def test_excluded_questions_are_left_out(tmp_path: Path) -> None:
         (["--steps", "0"], "--steps must be at least 1"),
         (["--vocab", "-3"], "--vocab must be at least 1"),
         (["--layers", "0"], "--layers must be at least 1"),
+        (["--mlp-width", "0"], "--mlp-width must be at least 1"),
         (["--depth", "0"], "--depth must be at least 1"),
         (["--unroll-from", "1"], "--unroll-from is a share of training in [0, 1)"),
         (["--minutes", "0"], "--minutes and --lr must be positive"),
