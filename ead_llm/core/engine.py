@@ -102,9 +102,6 @@ class Engine(Frontend):
         }
         if self.runners[Role.SMALL].reads_features or return_hidden_states:  # a draft reads them (EAGLE-style)
             self.runners[Role.LARGE].keep_features(pair.large.info.source)
-        self.exact_verification = exact_by_default(pair) if exact_verification is None else exact_verification
-        if draft_bfloat16 is not None:
-            self.draft_bfloat16 = draft_bfloat16  # warns where it could not be had
         self.sampler = Sampler()
         self.scheduler = Scheduler(self.caches, self.max_batch, self.max_positions)
         if return_hidden_states:
@@ -122,6 +119,9 @@ class Engine(Frontend):
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.exact_verification = exact_by_default(pair) if exact_verification is None else exact_verification
+        if draft_bfloat16 is not None:
+            self.draft_bfloat16 = draft_bfloat16  # warns where it could not be had
         _ENGINES.add(self)
 
     def _ensure_thread(self) -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal, TypeVar, overload
 
 from ead_llm.accounting.ledger import Pricing
@@ -143,15 +144,31 @@ class Frontend:
     def exact_verification(self) -> bool:
         """Whether a verification's (or catch-up's) tokens each attend as a one-token decode step would
         (:data:`~ead_llm.core.model_runner.AS_DECODE_MAX`): greedy speculative decoding is then LargeOnly to the
-        last bit. By default on for a large model of :data:`EXACT_MIN_PARAMETERS` or more (:func:`exact_by_default`)."""
+        last bit. By default on for a large model of :data:`EXACT_MIN_PARAMETERS` or more (:func:`exact_by_default`).
+        It changes only while no request runs (a ``RuntimeError`` otherwise; setting the value it has is no change)."""
         return self.runners[Role.LARGE].exact_verification
 
     @exact_verification.setter
     def exact_verification(self, on: bool) -> None:
         if not isinstance(on, bool):
             raise ValueError(f"exact_verification must be True or False, got {on!r}")
-        for runner in self.runners.values():
-            runner.exact_verification = on
+        if on == self.exact_verification:
+            return  # another caller's object may ask for the setting the shared engine has, while it serves
+        with self._idle("exact_verification"):
+            for runner in self.runners.values():
+                runner.exact_verification = on
+
+    @contextmanager
+    def _idle(self, setting: str) -> Iterator[None]:
+        """Hold the engine between steps while a setting that a pass reads changes; a ``RuntimeError`` while a request
+        runs (its pass may be under way: it would read both values)."""
+        with self._cond:
+            if self.scheduler.running:
+                raise RuntimeError(
+                    f"{setting} can only change while no request runs ({len(self.scheduler.running)} running): "
+                    "wait for them, or set it when the engine is made"
+                )
+            yield  # the scheduler thread admits nothing while the lock is held
 
     @property
     def draft_bfloat16(self) -> bool:
@@ -160,8 +177,8 @@ class Frontend:
         tokens are proposals the large model checks, so greedy speculative decoding's text is the same either way;
         which drafts stand may change. On by default where the CPU multiplies bfloat16 in hardware and the draft's
         products weigh 4 MB or more; a CPU whose bfloat16 products would give a row other bits in another batch keeps
-        them float32 (a warning says so when asked for). Change it while nothing runs: a pass under way may read
-        both kernels."""
+        them float32 (a warning says so when asked for). It changes only while no request runs (a ``RuntimeError``
+        otherwise: a pass under way would read both kernels)."""
         return self.runners[Role.SMALL].draft_bfloat16
 
     @draft_bfloat16.setter
@@ -170,7 +187,10 @@ class Frontend:
             raise ValueError("draft_bfloat16 must be True or False, got None")
         check_draft_bfloat16(self.pair, on)
         runner = self.runners[Role.SMALL]
-        runner.draft_bfloat16 = on
+        if on == runner.draft_bfloat16:
+            return
+        with self._idle("draft_bfloat16"):
+            runner.draft_bfloat16 = on
         if on and not runner.draft_bfloat16:
             logger.warning(
                 "ead-llm: the draft's products stay as they are: bfloat16 products need a float32 draft on a CPU "

@@ -4,6 +4,7 @@ stays defined with it: speculative decoding is lossless, EAD, EASD and EAGER run
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,45 @@ def test_draft_bfloat16_takes_a_bool_for_a_feature_draft_only(feature_pair: tupl
     ordinary = Engine(llama_pair, draft_bfloat16=False)
     assert ordinary.draft_bfloat16 is False
     ordinary.close()
+
+
+def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_idle(
+    feature_pair: tuple[Path, Path],
+) -> None:
+    """``draft_bfloat16`` and ``exact_verification`` are read by a pass under way; set while one runs (its step held
+    at the start here), they are refused and change nothing, and the request writes what it writes undisturbed."""
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=False)
+    want = _generate(engine, SpeculativeDecoding(gamma=3))
+    entered, release = threading.Event(), threading.Event()
+    step = engine._step
+
+    def held() -> None:
+        entered.set()
+        release.wait(30)
+        step()
+
+    engine._step = held  # type: ignore[method-assign]
+    got: list[list[object]] = []
+    caller = threading.Thread(target=lambda: got.append(_generate(engine, SpeculativeDecoding(gamma=3))))
+    caller.start()
+    try:
+        assert entered.wait(30)
+        for setting, value in (("draft_bfloat16", True), ("exact_verification", not engine.exact_verification)):
+            before = getattr(engine, setting)
+            with pytest.raises(RuntimeError, match=f"{setting} can only change while no request runs"):
+                setattr(engine, setting, value)
+            assert getattr(engine, setting) == before
+            setattr(engine, setting, before)  # the value it has: no change, so no refusal (a shared engine's objects)
+    finally:
+        release.set()
+        caller.join(30)
+    assert [o.token_ids for o in got[0]] == [o.token_ids for o in want]  # type: ignore[attr-defined]
+    flipped = not engine.exact_verification
+    engine.exact_verification = flipped  # idle again: allowed
+    engine.draft_bfloat16 = True
+    assert engine.exact_verification is flipped
+    engine.close()
 
 
 def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_says_so(
