@@ -159,14 +159,17 @@ class Frontend:
                 runner.exact_verification = on
 
     @contextmanager
-    def _idle(self, setting: str) -> Iterator[None]:
+    def _idle(self, setting: str, *, waiting: bool = False) -> Iterator[None]:
         """Hold the engine between steps while a setting that a pass reads changes; a ``RuntimeError`` while a request
-        runs (its pass may be under way: it would read both values)."""
+        runs (its pass may be under way: it would read both values), or with ``waiting`` also while one waits (a
+        setting its admission reads)."""
         with self._cond:
-            if self.scheduler.running:
+            running, queued = len(self.scheduler.running), len(self.scheduler.waiting) if waiting else 0
+            if running or queued:
                 raise RuntimeError(
-                    f"{setting} can only change while no request runs ({len(self.scheduler.running)} running): "
-                    "wait for them, or set it when the engine is made"
+                    f"{setting} can only change while no request runs{' or waits' if waiting else ''} ({running} "
+                    f"running{f', {queued} waiting' if waiting else ''}): wait for them, or set it when the engine "
+                    "is made"
                 )
             yield  # the scheduler thread admits nothing while the lock is held
 
@@ -207,16 +210,14 @@ class Frontend:
             check_int("kv_budget_tokens", kv_budget_tokens, minimum=1)
         if kv_block_size is not None:
             check_int("kv_block_size", kv_block_size, minimum=1)
-        with self._cond:
-            new = (
-                max_batch in (None, self.max_batch)
-                and kv_budget_tokens in (None, self.kv_budget_tokens)
-                and kv_block_size in (None, self.kv_block_size)
-            )
-            if new:
-                return
-            if self.scheduler.running or self.scheduler.waiting:
-                raise RuntimeError("the engine's limits can only change while it is idle")
+        unchanged = (
+            max_batch in (None, self.max_batch)
+            and kv_budget_tokens in (None, self.kv_budget_tokens)
+            and kv_block_size in (None, self.kv_block_size)
+        )
+        if unchanged:
+            return
+        with self._idle("the engine's limits", waiting=True):
             self.max_batch = max_batch or self.max_batch
             self.kv_budget_tokens = kv_budget_tokens if kv_budget_tokens is not None else self.kv_budget_tokens
             self.kv_block_size = kv_block_size or self.kv_block_size

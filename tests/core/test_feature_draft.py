@@ -283,8 +283,9 @@ def test_draft_bfloat16_takes_a_bool_for_a_feature_draft_only(feature_pair: tupl
 def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_idle(
     feature_pair: tuple[Path, Path],
 ) -> None:
-    """``draft_bfloat16`` and ``exact_verification`` are read by a pass under way; set while one runs (its step held
-    at the start here), they are refused and change nothing, and the request writes what it writes undisturbed."""
+    """``draft_bfloat16`` and ``exact_verification`` are read by a pass under way, the limits by admission; set while
+    a request runs (its step held at the start here), they are refused and change nothing, and the request writes
+    what it writes undisturbed."""
     pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
     engine = Engine(pair, draft_bfloat16=False)
     want = _generate(engine, SpeculativeDecoding(gamma=3))
@@ -308,6 +309,11 @@ def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_
                 setattr(engine, setting, value)
             assert getattr(engine, setting) == before
             setattr(engine, setting, before)  # the value it has: no change, so no refusal (a shared engine's objects)
+        limits = (engine.max_batch, engine.kv_budget_tokens, engine.kv_block_size)
+        with pytest.raises(RuntimeError, match="the engine's limits can only change while no request runs or waits"):
+            engine.set_limits(max_batch=engine.max_batch + 1)
+        assert (engine.max_batch, engine.kv_budget_tokens, engine.kv_block_size) == limits
+        engine.set_limits(max_batch=engine.max_batch)  # the limits it has: no change, so no refusal
     finally:
         release.set()
         caller.join(30)
@@ -315,7 +321,8 @@ def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_
     flipped = not engine.exact_verification
     engine.exact_verification = flipped  # idle again: allowed
     engine.draft_bfloat16 = True
-    assert engine.exact_verification is flipped
+    engine.set_limits(max_batch=engine.max_batch + 1)
+    assert engine.exact_verification is flipped and engine.max_batch == limits[0] + 1
     engine.close()
 
 
