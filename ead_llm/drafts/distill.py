@@ -49,6 +49,7 @@ from ead_llm.drafts.model import (
     OWN,
     FeatureDraft,
     card_files,
+    check_shape,
     new_draft,
     own_state,
     previous,
@@ -720,10 +721,11 @@ def distill(
     log: Any = print,
 ) -> dict[str, Any]:
     """See the module docstring; returns the card written beside the draft."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if data_dtype not in DATA_DTYPES:
         raise ValueError(f"--data-dtype must be one of {DATA_DTYPES}, got {data_dtype!r}")
+    check_shape(int(AutoConfig.from_pretrained(source).num_hidden_layers), layers, mlp_width)  # before any data
 
     register()
     if threads is not None:

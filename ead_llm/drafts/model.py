@@ -134,10 +134,7 @@ def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1, mlp_width
     """A draft of ``layers`` decoder layers for ``target`` (a Llama-family causal LM), initialised from the
     target's last ``layers`` layers, its embeddings and head rows (``vocab_index``: the tokens it may draft) the
     target's, frozen. ``mlp_width``: each layer's MLP has that many times the target's units (:func:`widened`)."""
-    if not 1 <= layers <= len(target.model.layers):
-        raise ValueError(f"a draft has 1 to {len(target.model.layers)} layers for this target, not {layers}")
-    if not 1 <= mlp_width <= len(target.model.layers):
-        raise ValueError(f"a draft's MLP is 1 to {len(target.model.layers)} times the target's width, not {mlp_width}")
+    check_shape(len(target.model.layers), layers, mlp_width)
     source = target.config
     config = FeatureDraftConfig(
         draft_vocab_size=int(vocab_index.numel()),
@@ -168,6 +165,15 @@ def new_draft(target: Any, vocab_index: torch.Tensor, layers: int = 1, mlp_width
         draft.fc.weight.zero_()
         draft.fc.weight[:, :hidden].copy_(torch.eye(hidden))  # starts as the embedding alone
     return draft.to(target.dtype)
+
+
+def check_shape(target_layers: int, layers: int, mlp_width: int) -> None:
+    """A ``ValueError`` unless a draft of ``layers`` layers, each with ``mlp_width`` times the MLP units, can be
+    built from a target of ``target_layers`` layers (both start from the target's layers: :func:`widened`)."""
+    if not 1 <= layers <= target_layers:
+        raise ValueError(f"a draft has 1 to {target_layers} layers for this target, not {layers}")
+    if not 1 <= mlp_width <= target_layers:
+        raise ValueError(f"a draft's MLP is 1 to {target_layers} times the target's width, not {mlp_width}")
 
 
 def widened(layers: Any, i: int, times: int) -> dict[str, torch.Tensor]:

@@ -150,6 +150,18 @@ def test_bad_options_are_refused_before_loading(
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize(("option", "message"), [("--layers", "1 to 2 layers"), ("--mlp-width", "1 to 2 times")])
+def test_a_draft_larger_than_its_target_is_refused_before_any_data(
+    target: Path, option: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tiny target has 2 layers: a draft of 3 (or 3 times its MLP) is refused before a question is answered."""
+    data = tmp_path / "data.pt"
+    with pytest.raises(SystemExit) as exit_info:
+        distill.main(_args(target, tmp_path / "x", option, "3", "--data", str(data)))
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not data.exists() and not (tmp_path / "x").exists()
+
+
 def test_a_missing_target_folder_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         distill.main(["--large", str(tmp_path / "missing"), "--out", str(tmp_path / "x"), "--steps", "1"])
