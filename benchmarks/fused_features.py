@@ -11,7 +11,9 @@ same draft, steps, schedule and training-time test, only what the draft reads at
 
 A variant may end in ``:L`` for a draft of ``L`` decoder layers (default 1), or ``:L:W`` for layers whose MLP is
 ``W`` times the target's width (default 1; :func:`ead_llm.drafts.model.widened`), to weigh reading more against more
-capacity.
+capacity, or ``:L:W:F:B`` to weigh the loss's terms: ``F`` times the smooth-L1 pull toward the target's features
+(default 1; EAGLE-3 drops it) and ``B`` times the cross-entropy of the target's best token (default 0), beside the
+cross-entropy of its distribution (:func:`ead_llm.drafts.distill.loss_of`).
 
 Each draft is scored as ``distill``'s card scores it: top-1 agreement on held-out answers by token of a round.
 
@@ -102,6 +104,7 @@ def trained(
     layers: Layers,
     draft_layers: int = 1,
     mlp_width: int = 1,
+    objective: tuple[float, float] = (1.0, 0.0),
 ) -> FeatureDraft:
     """A draft of ``draft_layers`` layers trained as ``distill`` trains it (AdamW, warm-up and cosine decay, zero
     prompt features three times in four, training-time test over ``--depth`` passes from half-way), reading
@@ -137,7 +140,9 @@ def trained(
             zero = [rng.random() < 0.75 for _ in group]
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 reader = partial(read, reads=reads, layers=layers)
-                loss = distill.loss_of(draft, group, zero, 0.2, generator, args.depth if done >= 0.5 else 1, reader)
+                passes = args.depth if done >= 0.5 else 1
+                weights = {"feature_weight": objective[0], "top1_weight": objective[1]}
+                loss = distill.loss_of(draft, group, zero, 0.2, generator, passes, reader, **weights)
             optimizer.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(own, 1.0)
@@ -146,10 +151,14 @@ def trained(
     return draft.eval()
 
 
-def parse(variant: str) -> tuple[list[str], int, int]:
-    """``READS[:LAYERS[:WIDTH]]`` -> (what it reads, its layers, its MLP's width as a multiple of the target's)."""
+def parse(variant: str) -> tuple[list[str], int, int, tuple[float, float]]:
+    """``READS[:LAYERS[:WIDTH[:F:B]]]`` -> (what it reads, its layers, its MLP's width as a multiple of the target's,
+    the loss's weights of the feature pull and of the best token's cross-entropy)."""
     parts = variant.split(":")
-    return parts[0].split(","), int(parts[1]) if len(parts) > 1 else 1, int(parts[2]) if len(parts) > 2 else 1
+    layers = int(parts[1]) if len(parts) > 1 else 1
+    width = int(parts[2]) if len(parts) > 2 else 1
+    weights = (float(parts[3]), float(parts[4])) if len(parts) > 4 else (1.0, 0.0)
+    return parts[0].split(","), layers, width, weights
 
 
 def main() -> None:
@@ -174,7 +183,7 @@ def main() -> None:
     target_dir = args.target or str(smollm2.full_model())
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     variants = {v: parse(v) for v in args.reads}
-    wanted = sorted({int(n) for names, _, _ in variants.values() for n in names if n != "final"})
+    wanted = sorted({int(n) for names, *_ in variants.values() for n in names if n != "final"})
     started = time.perf_counter()
     layers = entering(target, [*train, *held], wanted) if wanted else {}
     took = time.perf_counter() - started
@@ -183,9 +192,9 @@ def main() -> None:
     eos = target.generation_config.eos_token_id
     index = distill.frequent_tokens(train, 8192, vocab, [eos] if isinstance(eos, int) else list(eos or []))
     figures: dict[str, Any] = {"train": len(train), "held": len(held), "steps": args.steps}
-    for reads, (names, draft_layers, mlp_width) in variants.items():
+    for reads, (names, draft_layers, mlp_width, objective) in variants.items():
         started = time.perf_counter()
-        draft = trained(target, index, train, args, names, layers, draft_layers, mlp_width)
+        draft = trained(target, index, train, args, names, layers, draft_layers, mlp_width, objective)
         reader = partial(read, reads=names, layers=layers)
         figures[reads] = [round(a, 4) for a in distill.agreement(draft, held, depth=args.depth, read=reader)]
         print(f"reads {reads}: agreement by token of a round {figures[reads]} ({time.perf_counter() - started:.0f} s)")

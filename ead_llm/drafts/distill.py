@@ -593,9 +593,13 @@ def loss_of(
     gen: Any,
     depth: int = 1,
     read: Reader = final_states,
+    *,
+    feature_weight: float = 1.0,
+    top1_weight: float = 0.0,
 ) -> torch.Tensor:
-    """Cross-entropy of the target's head distribution (over the draft's tokens) plus the smooth-L1 distance of
-    the draft's outputs from the target's features, over answer positions, averaged over ``depth`` passes of
+    """Cross-entropy of the target's head distribution (over the draft's tokens), plus ``feature_weight`` times the
+    smooth-L1 distance of the draft's outputs from the target's features, plus ``top1_weight`` times the
+    cross-entropy of the target's best token alone, over answer positions, averaged over ``depth`` passes of
     training-time test (:mod:`ead_llm.drafts.unroll`): pass ``j`` counts the positions at least ``j`` into an
     answer, the ``j``-th token of a round that started there."""
     ids, feats = read(draft, group, zero_prompt, noise, gen)
@@ -603,12 +607,17 @@ def loss_of(
     truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
     with torch.no_grad():
         teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
+        best = teacher.argmax(-1)
     total = torch.zeros(())
     for j, out in enumerate(unrolled(draft, ids, feats, depth)):
         counted = offsets >= j
         guess = out[index][counted]
-        ce = -(teacher[counted] * torch.log_softmax(draft.head(guess).float(), dim=-1)).sum(-1).mean()
-        total = total + ce + F.smooth_l1_loss(guess.float(), truth[counted])
+        logp = torch.log_softmax(draft.head(guess).float(), dim=-1)
+        total = total - (teacher[counted] * logp).sum(-1).mean()
+        if feature_weight:
+            total = total + feature_weight * F.smooth_l1_loss(guess.float(), truth[counted])
+        if top1_weight:
+            total = total + top1_weight * F.nll_loss(logp, best[counted])
     return total / depth
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn import functional as F
 
 from ead_llm import LargeOnly, SpeculativeDecoding
 from ead_llm.core.engine import Engine
@@ -305,6 +306,40 @@ def test_training_time_test_takes_over_at_its_share_of_training(
     args = _args(target, tmp_path / "d", "--depth", "3", "--unroll-from", "0.5")
     distill.main([*args[: args.index("--steps")], "--steps", "4", *args[args.index("--steps") + 2 :]])
     assert used == [1, 1, 3, 3]
+
+
+def test_the_loss_weighs_the_feature_pull_and_the_best_token_as_asked(target: Path) -> None:
+    """``loss_of``'s terms add as weighted: the feature pull and the best token's cross-entropy each scale with
+    their weight, and the best token is the target's argmax among the head's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from ead_llm.drafts.model import new_draft
+    from ead_llm.drafts.unroll import unrolled
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(0)
+    draft = new_draft(model, torch.arange(0, 200, 2), mlp_width=2).float().eval()
+    hidden = model.config.hidden_size
+    group = [
+        distill.Example(question=q, ids=list(range(3, 3 + n)), start=2, features=torch.randn(n, hidden))
+        for q, n in ((0, 9), (1, 6))
+    ]
+
+    @torch.no_grad()
+    def loss(feature: float, best: float) -> float:
+        return float(distill.loss_of(draft, group, [False, True], 0.0, None, feature_weight=feature, top1_weight=best))
+
+    bare, pull, top = loss(0, 0), loss(1, 0) - loss(0, 0), loss(0, 1) - loss(0, 0)
+    assert pull > 0 and top > 0
+    assert loss(2, 0) - bare == pytest.approx(2 * pull, rel=1e-5)
+    assert loss(0, 3) - bare == pytest.approx(3 * top, rel=1e-5)
+    with torch.no_grad():
+        assert loss(1, 0) == pytest.approx(float(distill.loss_of(draft, group, [False, True], 0.0, None)))  # default
+        ids, feats = distill.inputs_of(group, [False, True], 0.0, None)
+        index, _ = distill._answer_index(group)
+        truth = torch.stack([group[r].features[c] for r, c in zip(*index, strict=True)])
+        logits = draft.head(unrolled(draft, ids, feats, 1)[0][index])
+    assert top == pytest.approx(float(F.cross_entropy(logits, draft.head(truth).argmax(-1))), rel=1e-4)
 
 
 def test_own_questions_are_seeded_by_their_index(target: Path) -> None:
