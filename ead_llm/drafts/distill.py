@@ -613,11 +613,12 @@ def loss_of(
         counted = offsets >= j
         guess = out[index][counted]
         logp = torch.log_softmax(draft.head(guess).float(), dim=-1)
-        total = total - (teacher[counted] * logp).sum(-1).mean()
+        term = -(teacher[counted] * logp).sum(-1).mean()
         if feature_weight:
-            total = total + feature_weight * F.smooth_l1_loss(guess.float(), truth[counted])
+            term = term + feature_weight * F.smooth_l1_loss(guess.float(), truth[counted])
         if top1_weight:
-            total = total + top1_weight * F.nll_loss(logp, best[counted])
+            term = term + top1_weight * F.nll_loss(logp, best[counted])
+        total = total + term  # summed as before the weights: the default's loss keeps its bits
     return total / depth
 
 
