@@ -607,7 +607,7 @@ def loss_of(
     truth = torch.stack([group[r].features[c] for r, c in zip(index[0].tolist(), index[1].tolist(), strict=True)])
     with torch.no_grad():
         teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
-        best = teacher.argmax(-1)
+        best = teacher.argmax(-1) if top1_weight else None  # only where that term is counted: every step reads this
     total = torch.zeros(())
     for j, out in enumerate(unrolled(draft, ids, feats, depth)):
         counted = offsets >= j
@@ -616,7 +616,7 @@ def loss_of(
         term = -(teacher[counted] * logp).sum(-1).mean()
         if feature_weight:
             term = term + feature_weight * F.smooth_l1_loss(guess.float(), truth[counted])
-        if top1_weight:
+        if best is not None:
             term = term + top1_weight * F.nll_loss(logp, best[counted])
         total = total + term  # summed as before the weights: the default's loss keeps its bits
     return total / depth
