@@ -574,6 +574,11 @@ def _answer_index(group: list[Example]) -> tuple[tuple[torch.Tensor, torch.Tenso
     return (torch.tensor(rows), torch.tensor(cols)), torch.tensor(offsets)
 
 
+def answer_window(group: list[Example]) -> tuple[torch.Tensor, int]:
+    """Where each row's answer positions start, and the most any row has: the window :func:`unrolled` computes."""
+    return torch.tensor([e.start for e in group]), max(1, max(len(e.ids) - 1 - e.start for e in group))
+
+
 Reader = Callable[[FeatureDraft, list[Example], list[bool], float, Any], tuple[torch.Tensor, torch.Tensor]]
 """What the positions of a batch read: ``(draft, group, zero_prompt, noise, generator) -> (ids, features)``."""
 
@@ -609,9 +614,9 @@ def loss_of(
         teacher = torch.softmax(draft.head(truth.to(draft.head.weight.dtype)).float(), dim=-1)
         best = teacher.argmax(-1) if top1_weight else None  # only where that term is counted: every step reads this
     total = torch.zeros(())
-    for j, out in enumerate(unrolled(draft, ids, feats, depth)):
+    for j, out in enumerate(unrolled(draft, ids, feats, depth, *answer_window(group))):
         counted = offsets >= j
-        guess = out[index][counted]
+        guess = out[index[0], offsets][counted]
         logp = torch.log_softmax(draft.head(guess).float(), dim=-1)
         term = -(teacher[counted] * logp).sum(-1).mean()
         if feature_weight:
@@ -638,10 +643,10 @@ def agreement(
     same, total = [0] * depth, [0] * depth
     for group in batches(examples, 16):
         ids, feats = read(draft, group, [zero_prompt] * len(group), 0.0, None)
-        for j, out in enumerate(unrolled(draft, ids, feats, depth)):
+        for j, out in enumerate(unrolled(draft, ids, feats, depth, *answer_window(group))):
             best = draft.vocab_index[draft.head(out).argmax(-1)]  # type: ignore[index]
             for row, example in enumerate(group):
-                mine = best[row, example.start + j : len(example.ids) - 1]
+                mine = best[row, j : len(example.ids) - 1 - example.start]
                 same[j] += int((mine == example.best[j:]).sum())
                 total[j] += mine.numel()
     return [s / max(1, t) for s, t in zip(same, total, strict=True)]

@@ -9,8 +9,9 @@ the later ones.
 
 :func:`unrolled` runs ``depth`` such passes over whole sequences at once: pass ``j`` reads pass ``j - 1``'s outputs
 one position back, and attends to pass 0's keys up to ``p - j`` and to pass ``i``'s key at ``p - j + i`` for
-``1 <= i <= j`` (:func:`unroll_mask`). Pass ``j`` at ``p`` is then what the draft computes as its ``j``-th token of
-a round that started at ``p - j``, for every ``p`` at once.
+``1 <= i <= j`` (:func:`window_mask`). Pass ``j`` at ``p`` is then what the draft computes as its ``j``-th token
+of a round that started at ``p - j``, for every ``p`` at once. Training needs these only over each answer (the
+window ``distill`` passes): the prompt's positions are read, not computed on, by all but pass 0's keys.
 """
 
 from __future__ import annotations
@@ -24,56 +25,93 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from ead_llm.drafts.model import FeatureDraft, previous
 
 
-def unroll_mask(length: int, depth: int) -> torch.Tensor:
-    """``[depth, length, depth * length]`` booleans: may pass ``j``'s query at ``p`` read pass ``i``'s key at ``q``
-    (keys ordered pass by pass). Pass ``j`` reads pass 0 at ``q <= p - j`` and pass ``i`` (``1 <= i <= j``) at
-    ``q = p - j + i`` only."""
-    j = torch.arange(depth)[:, None, None]
-    p = torch.arange(length)[None, :, None]
-    i = torch.arange(depth).repeat_interleave(length)[None, None, :]
-    q = torch.arange(length).repeat(depth)[None, None, :]
-    first = (i == 0) & (q <= p - j)
-    later = (i >= 1) & (i <= j) & (q == p - j + i)
-    return first | later
+def window_mask(positions: torch.Tensor, length: int, j: int) -> torch.Tensor:
+    """``[B, 1, A, length + j * A]`` booleans: :func:`unroll_mask`'s pass ``j`` for queries at ``positions``
+    [B, A] (a window of each row, consecutive): pass 0's keys lie at every position of the row, pass ``i``'s
+    (``1 <= i <= j``) at the window's."""
+    width = positions.shape[1]
+    first = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None] - j
+    a = torch.arange(width, device=positions.device)
+    later = [(a[None, :] == a[:, None] - j + i)[None].expand(len(positions), -1, -1) for i in range(1, j + 1)]
+    return torch.cat([first, *later], dim=-1)[:, None]
 
 
-def unrolled(draft: FeatureDraft, input_ids: torch.Tensor, features: torch.Tensor, depth: int) -> list[torch.Tensor]:
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [B, heads, T, d] at the positions ``cos``/``sin`` [B, T, d] were made for."""
+    return apply_rotary_pos_emb(x, x, cos, sin)[0]
+
+
+def unrolled(
+    draft: FeatureDraft,
+    input_ids: torch.Tensor,
+    features: torch.Tensor,
+    depth: int,
+    starts: torch.Tensor | None = None,
+    width: int | None = None,
+) -> list[torch.Tensor]:
     """``input_ids`` [B, T]; ``features`` [B, T, H] as :meth:`FeatureDraft.draft_forward` reads them. Returns, for
-    each pass ``j < depth``, the draft's outputs [B, T, H] (pass 0's are ``draft_forward``'s; ``draft.head`` of an
-    output gives its logits, left to the caller, who needs them at few positions)."""
+    each pass ``j < depth``, the draft's outputs (pass 0's are ``draft_forward``'s; ``draft.head`` of an output
+    gives its logits, left to the caller, who needs them at few positions).
+
+    The outputs are [B, T, H] over every position, or, with ``starts`` [B] and ``width``, [B, width, H] at
+    positions ``starts[b] .. starts[b] + width - 1`` of each row (the window a loss reads; past a row's end they
+    are meaningless). Pass 0 still reads every position (its keys and values, and every layer but the last), but
+    the last layer's queries and MLP, and every later pass, run over the window alone: the positions before it
+    only feed rounds that start before the window (``starts`` at an answer's first predicting position: the
+    prompt's, which no loss counts)."""
     if depth < 1:
         raise ValueError(f"depth must be at least 1, got {depth}")
     batch, length = input_ids.shape
-    positions = torch.arange(length, device=input_ids.device)[None].expand(batch, length)
+    device = input_ids.device
+    if starts is None:
+        starts, width = torch.zeros(batch, dtype=torch.long, device=device), length
+    elif width is None or width < 1:
+        raise ValueError(f"a window needs a width of at least 1, got {width}")
+    positions = starts[:, None] + torch.arange(width, device=device)[None]
+    rows = torch.arange(batch, device=device)[:, None]
+    taken = positions.clamp(max=length - 1)  # a window running past the row reads its last position there
+    everywhere = torch.arange(length, device=device)[None].expand(batch, length)
     embedded = draft.embed_tokens(input_ids)
-    mask = unroll_mask(length, depth).to(input_ids.device)
+    causal = window_mask(everywhere, length, 0)
     keys: list[list[torch.Tensor]] = [[] for _ in draft.layers]
     values: list[list[torch.Tensor]] = [[] for _ in draft.layers]
-    outs = []
-    reading = features.to(draft.fc.weight.dtype)
+    outs: list[torch.Tensor] = []
+    dtype = draft.fc.weight.dtype
+    x = draft.fc(torch.cat((embedded, features.to(dtype)), dim=-1))
+    cos, sin = draft.rotary_emb(x, everywhere)
+    win_cos, win_sin = draft.rotary_emb(x, positions)
+    last = len(draft.layers) - 1
     for j in range(depth):
-        x = draft.fc(torch.cat((embedded, reading), dim=-1))
-        cos, sin = draft.rotary_emb(x, positions)
+        if j:
+            reading = previous(outs[-1])  # pass j reads pass j - 1's output one position back, in the window
+            x = draft.fc(torch.cat((embedded[rows, taken], reading.to(dtype)), dim=-1))
         for n, layer in enumerate(draft.layers):
             attn: Any = layer.self_attn
             h = layer.input_layernorm(x)  # type: ignore[operator]
-            shape = (batch, length, -1, attn.head_dim)
-            q = attn.q_proj(h).view(shape).transpose(1, 2)
+            shape = (batch, h.shape[1], -1, attn.head_dim)
             k = attn.k_proj(h).view(shape).transpose(1, 2)
             v = attn.v_proj(h).view(shape).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            if j == 0 and n < last:  # every position, for the next layer's keys
+                q = _rotated(attn.q_proj(h).view(shape).transpose(1, 2), cos, sin)
+                k, mask = _rotated(k, cos, sin), causal
+            elif j == 0:  # the last layer: keys everywhere, queries in the window
+                k = _rotated(k, cos, sin)
+                x, h = x[rows, taken], h[rows, taken]
+                q = _rotated(attn.q_proj(h).view(batch, width, -1, attn.head_dim).transpose(1, 2), win_cos, win_sin)
+                mask = window_mask(positions, length, 0)
+            else:
+                q = _rotated(attn.q_proj(h).view(shape).transpose(1, 2), win_cos, win_sin)
+                k, mask = _rotated(k, win_cos, win_sin), window_mask(positions, length, j)
             keys[n].append(k)
             values[n].append(v)
             o = F.scaled_dot_product_attention(
                 q,
                 torch.cat(keys[n], dim=2),
                 torch.cat(values[n], dim=2),
-                attn_mask=mask[j, :, : (j + 1) * length],
+                attn_mask=mask,
                 enable_gqa=q.shape[1] != k.shape[1],
             )
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, length, -1))
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, q.shape[2], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))  # type: ignore[operator]
-        out = draft.norm(x)
-        outs.append(out)
-        reading = previous(out)
+        outs.append(draft.norm(x))
     return outs

@@ -342,6 +342,42 @@ def test_the_loss_weighs_the_feature_pull_and_the_best_token_as_asked(target: Pa
     assert top == pytest.approx(float(F.cross_entropy(logits, draft.head(truth).argmax(-1))), rel=1e-4)
 
 
+def test_agreement_counts_each_token_of_a_round_where_the_whole_sequence_would(target: Path) -> None:
+    """``agreement`` (which computes each answer's positions alone) counts the draft's best tokens against the
+    target's as the passes over whole sequences give them, from ``j`` positions into each answer for the
+    ``j``-th token of a round."""
+    from transformers import AutoModelForCausalLM
+
+    from ead_llm.drafts.model import new_draft
+    from ead_llm.drafts.unroll import unrolled
+
+    model = AutoModelForCausalLM.from_pretrained(target)
+    torch.manual_seed(0)
+    draft = new_draft(model, torch.arange(0, 200, 2), mlp_width=2).float().eval()
+    hidden = model.config.hidden_size
+    examples = [
+        distill.Example(question=q, ids=[3 + (7 * i) % 90 for i in range(n)], start=s, features=torch.randn(n, hidden))
+        for q, n, s in ((0, 9, 2), (1, 6, 3), (2, 11, 1))
+    ]
+    with torch.no_grad():
+        ids, feats = distill.inputs_of(examples, [True] * 3, 0.0, None)
+        whole = [draft.vocab_index[draft.head(out).argmax(-1)] for out in unrolled(draft, ids, feats, 3)]
+    for example, row in zip(examples, whole[0], strict=True):  # the target agrees with pass 0 on every other token
+        mine = row[example.start : len(example.ids) - 1].clone()
+        mine[1::2] = (mine[1::2] + 2) % 200
+        example.best = mine
+    expected = []
+    for j in range(3):
+        same = total = 0
+        for r, example in enumerate(examples):
+            mine = whole[j][r, example.start + j : len(example.ids) - 1]
+            same += int((mine == example.best[j:]).sum())
+            total += mine.numel()
+        expected.append(same / total)
+    assert distill.agreement(draft, examples, depth=3) == pytest.approx(expected)
+    assert 0.4 < expected[0] < 0.7  # every other token, so a slice one off would not agree as often
+
+
 def test_own_questions_are_seeded_by_their_index(target: Path) -> None:
     from transformers import AutoTokenizer
 

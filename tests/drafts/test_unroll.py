@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ead_llm.drafts.model import FeatureDraft, FeatureDraftConfig, previous
-from ead_llm.drafts.unroll import unroll_mask, unrolled
+from ead_llm.drafts.unroll import unrolled, window_mask
 
 
 def _draft(layers: int) -> FeatureDraft:
@@ -43,12 +43,34 @@ def test_each_pass_is_the_draft_writing_that_token_of_a_round(layers: int) -> No
                 torch.testing.assert_close(outs[j][:, p], out[:, -1])
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_a_window_computes_what_the_whole_sequence_does_where_a_round_can_be_counted(layers: int) -> None:
+    """Over each row's window (its answer), pass ``j`` at ``j`` or more positions in gives what the passes over
+    the whole sequence give there; what the window skips (the prompt) changes none of it."""
+    draft = _draft(layers)
+    length, depth, width = 12, 3, 7
+    ids = torch.randint(0, 50, (3, length))
+    features = previous(torch.randn(3, length, 32))
+    starts = torch.tensor([2, 5, 0])  # the second row's window runs past its end
+    with torch.no_grad():
+        whole = unrolled(draft, ids, features, depth)
+        windowed = unrolled(draft, ids, features, depth, starts, width)
+    for j in range(depth):
+        assert windowed[j].shape == (3, width, 32)
+        for row, start in enumerate(starts.tolist()):
+            end = min(length, start + width)
+            torch.testing.assert_close(windowed[j][row, j : end - start], whole[j][row, start + j : end])
+    with pytest.raises(ValueError, match="width"):
+        unrolled(draft, ids, features, depth, starts, 0)
+
+
 def test_the_mask_reads_the_targets_past_and_the_rounds_own_positions() -> None:
-    mask = unroll_mask(5, 3)
-    assert mask.shape == (3, 5, 15)
-    assert torch.equal(mask[0, :, :5], torch.ones(5, 5, dtype=torch.bool).tril())  # pass 0: causal
-    assert not mask[0, :, 5:].any()
+    mask = window_mask(torch.arange(5)[None], 5, 2)[0, 0]
+    assert mask.shape == (5, 15)
+    assert torch.equal(window_mask(torch.arange(5)[None], 5, 0)[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
     # pass 2 at position 4: pass 0 up to 2, pass 1 at 3, pass 2 at 4
-    assert mask[2, 4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert mask[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    # a window of positions 3 and 4: pass 1 at 4 reads pass 0 up to 3 and pass 1 at 4 (the window's second key)
+    assert window_mask(torch.tensor([[3, 4]]), 5, 1)[0, 0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 5 + 1]
     with pytest.raises(ValueError, match="depth"):
         unrolled(_draft(1), torch.zeros((1, 3), dtype=torch.long), torch.zeros(1, 3, 32), 0)
