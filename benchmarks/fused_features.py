@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ead_llm.core.fused_llama import bfloat16_native
 from ead_llm.drafts import distill
 from ead_llm.drafts.model import FeatureDraft, new_draft, previous
 from ead_llm.testing import smollm2
@@ -138,7 +139,7 @@ def trained(
             for setting in optimizer.param_groups:
                 setting["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.05 + 0.475 * (1.0 + math.cos(math.pi * done)))
             zero = [rng.random() < 0.75 for _ in group]
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16_native()):  # as distill trains
                 reader = partial(read, reads=reads, layers=layers)
                 passes = args.depth if done >= 0.5 else 1
                 weights = {"feature_weight": objective[0], "top1_weight": objective[1]}
@@ -188,6 +189,7 @@ def main() -> None:
     layers = entering(target, [*train, *held], wanted) if wanted else {}
     took = time.perf_counter() - started
     print(f"{len(train)} training answers, {len(held)} held out; layers {wanted} read in {took:.0f} s")
+    print("training under bfloat16 autocast" if bfloat16_native() else "training in float32 (no bfloat16 in this CPU)")
     vocab = int(target.config.vocab_size)
     eos = target.generation_config.eos_token_id
     index = distill.frequent_tokens(train, 8192, vocab, [eos] if isinstance(eos, int) else list(eos or []))

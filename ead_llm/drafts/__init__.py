@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bfloat16",
         action="store_true",
-        help="train under bfloat16 autocast (weights and optimiser stay float32; faster where the CPU has bfloat16)",
+        help="train under bfloat16 autocast (weights and optimiser stay float32; faster where the CPU has bfloat16 "
+        "arithmetic; where it has none, float32 is used and the card says so: torch's emulation is far slower)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument(
@@ -86,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=DATA_DTYPES,
         default="float32",
         help="write the training answers and their features with the target in this precision: bfloat16 writes "
-        "more in the same time on a CPU with bfloat16 in hardware (held-out answers stay float32; default float32)",
+        "more in the same time on a CPU with bfloat16 in hardware, and float32 is used on one without (held-out "
+        "answers stay float32; default float32)",
     )
     p.add_argument(
         "--exclude",

@@ -46,7 +46,9 @@ TRAINED = ("--seed", "3", "--depth", "2", "--bfloat16", "--mlp-width", "2")
 @pytest.fixture(scope="module")
 def trained(target: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("distilled") / "draft"
-    card = distill.main(_args(target, out, *TRAINED))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(distill, "bfloat16_native", lambda: True)  # bfloat16 as asked, whatever this CPU has
+        card = distill.main(_args(target, out, *TRAINED))
     return out, card
 
 
@@ -91,8 +93,9 @@ def test_the_distilled_draft_decodes_losslessly_beside_its_target(target: Path, 
 
 
 def test_the_same_seed_gives_the_same_draft_and_its_own_weights_round_trip(
-    target: Path, trained: tuple[Path, dict], tmp_path: Path
+    target: Path, trained: tuple[Path, dict], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(distill, "bfloat16_native", lambda: True)  # as the fixture's draft was trained
     again = distill.main(_args(target, tmp_path / "again", *TRAINED))
     first = load_file(str(trained[0] / "model.safetensors"))
     second = load_file(str(tmp_path / "again" / "model.safetensors"))
@@ -443,6 +446,46 @@ def test_own_questions_join_the_set_without_moving_its_held_out_questions(
         distill.distill(str(target), tmp_path / "d", steps=1, questions=12, own_questions=24, data=data, seed=1)
 
 
+def test_bfloat16_is_declined_where_the_cpu_has_no_bfloat16_arithmetic(
+    target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without bfloat16 in hardware (torch emulates it, several times slower than float32), ``--bfloat16`` and
+    ``--data-dtype bfloat16`` run in float32, saying so in the log and the card; the data file's folder is made."""
+    autocasts: list[bool] = []
+    autocast = torch.autocast
+
+    def recorded(*args: object, **kwargs: object) -> torch.autocast:
+        autocasts.append(bool(kwargs.get("enabled", True)))
+        return autocast(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(distill.torch, "autocast", recorded)
+    monkeypatch.setattr(distill, "bfloat16_native", lambda: False)
+    lines: list[str] = []
+    data = tmp_path / "not" / "yet" / "data.pt"
+    card = distill.distill(
+        str(target),
+        tmp_path / "a",
+        steps=2,
+        threads=1,
+        questions=12,
+        samples=2,
+        max_tokens=8,
+        vocab=200,
+        batch=4,
+        bfloat16=True,
+        data=str(data),
+        data_dtype="bfloat16",
+        log=lines.append,
+    )
+    assert card["precision"] == "float32" and card["data_dtype"].startswith("training answers written in float32")
+    assert "no bfloat16 arithmetic" in card["bfloat16_declined"] and card["bfloat16_declined"] in lines
+    assert autocasts == [False, False]
+    assert all("dtype" not in e.written_as for e in torch.load(data, weights_only=False))
+    assert distill.in_hardware(bfloat16=True, data_dtype="bfloat16", native=True) == (True, "bfloat16", "")
+    assert distill.in_hardware(bfloat16=False, data_dtype="float32", native=False) == (False, "float32", "")
+    assert distill.in_hardware(bfloat16=False, data_dtype="bfloat16", native=False)[:2] == (False, "float32")
+
+
 def test_training_answers_can_be_written_in_bfloat16_and_held_out_ones_stay_float32(
     target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,6 +500,7 @@ def test_training_answers_can_be_written_in_bfloat16_and_held_out_ones_stay_floa
         return write(source, prompts, wanted, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(distill, "written", counted)
+    monkeypatch.setattr(distill, "bfloat16_native", lambda: True)  # bfloat16 as asked, whatever this CPU has
     data = tmp_path / "data.pt"
     card = distill.main(_args(target, tmp_path / "a", "--data", str(data), "--data-dtype", "bfloat16"))
     assert card["data_dtype"] == "training answers written in bfloat16, held-out ones in float32"
