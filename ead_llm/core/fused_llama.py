@@ -139,7 +139,9 @@ class Projection:
         """``widths[r]``: how many rows a call of ``r`` rows is sent as (copies of its last row fill the rest;
         :func:`tune_widths` sets it where more rows run faster); calls of more rows go as they are."""
         if kernel is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            self.use(kernel)
+            # the first that gives every row the same bits in any call: BLAS does not on every CPU (an AMD Zen 3's
+            # MKL at 1 to 7 rows), and F.linear, the last resort, neither
+            any(self.use(candidate) for candidate in dict.fromkeys((kernel, *KERNELS)))
 
     def use(self, kernel: str | None) -> bool:
         """Run on ``kernel`` from now on (None: ``F.linear``), if it gives every row the same bits whatever rows
@@ -160,13 +162,17 @@ class Projection:
             return False
         weight = self.weight.detach()
         was = (self.kernel, self.packed, self.pad_single)
-        self.kernel = kernel
-        if kernel == "blas":
-            self.packed = weight.t().contiguous()
-        elif kernel == "onednn":
-            self.packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
-        else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
-            self.packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
+        try:
+            if kernel == "blas":
+                packed = weight.t().contiguous()
+            elif kernel == "onednn":
+                packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
+            else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
+                packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
+        except RuntimeError:  # this CPU's oneDNN has no such path (bfloat16 wants AVX-512 or AVX-NE-CONVERT)
+            _AGREEMENT[key] = (False, False)
+            return False
+        self.kernel, self.packed = kernel, packed
         if agreement is None:
             counts = range(2, BF16_ROWS + 1) if kernel == BFLOAT16 else PROBE_ROWS[1:]
             agreement = _AGREEMENT[key] = self._rows_agree(counts)

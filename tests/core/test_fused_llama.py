@@ -61,10 +61,9 @@ def test_projection_prepares_float32_cpu_weights_and_matches_f_linear_to_roundin
     weight, bias = torch.randn(96, 48, generator=gen), torch.randn(96, generator=gen)
     for b in (None, bias):
         projection = Projection(weight, b, kernel=kernel)
-        if projection.kernel is None:  # this machine's BLAS gives rows in small calls other bits: not used
-            assert kernel == "blas" and projection.packed is None
-            continue
-        assert projection.kernel == kernel and projection.packed is not None
+        if projection.kernel != kernel:  # this machine's BLAS gives rows in small calls other bits: oneDNN instead
+            assert kernel == "blas" and projection.kernel == "onednn"
+        assert projection.packed is not None
         for rows in (0, 1, 2, 3, 5, 70):
             x = torch.randn(1, rows, 48, generator=gen)
             with torch.inference_mode():
@@ -110,7 +109,10 @@ def bfloat16_rows_agree(weight: torch.Tensor, bias: torch.Tensor | None = None) 
     to 64 rows: what a :data:`BFLOAT16` projection needs, asked of oneDNN directly."""
     assert ONEDNN is not None, "the CPU build of torch this project pins ships oneDNN"
     linear, pack = ONEDNN
-    packed = pack(weight.detach().to(torch.bfloat16), 1)
+    try:
+        packed = pack(weight.detach().to(torch.bfloat16), 1)
+    except RuntimeError:  # no bfloat16 path in this CPU's oneDNN at all (it wants AVX-512 or AVX-NE-CONVERT)
+        return False
     low = None if bias is None else bias.detach().to(torch.bfloat16)
     x = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     whole = linear(x, packed, low, "none", [], "")
@@ -153,6 +155,8 @@ def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(m
     projection, other = (Projection(torch.randn(8, 4), None, kernel="onednn") for _ in "ab")
     packed = projection.packed
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    assert fused_llama.ONEDNN is not None
+    monkeypatch.setattr(fused_llama, "ONEDNN", (fused_llama.ONEDNN[0], lambda weight, rows: weight))  # any CPU
     probes: list[int] = []
     monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: probes.append(1) or (True, False))
     assert projection.use(BFLOAT16) is False
@@ -161,6 +165,42 @@ def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(m
     monkeypatch.setattr(fused_llama, "ONEDNN", (fused_llama.ONEDNN[0], lambda *args: pytest.fail("packed again")))
     assert other.use(BFLOAT16) is False and other.kernel == "onednn"
     assert probes == [1]
+
+
+def test_a_projection_takes_the_next_kernel_where_its_first_gives_rows_other_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where BLAS gives a row other bits in another call (an AMD Zen 3's MKL at 1 to 7 rows), a projection asked
+    for it runs on oneDNN, whose rows agree, rather than on F.linear, whose rows do not either."""
+    assert fused_llama.ONEDNN is not None
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(
+        Projection, "_rows_agree", lambda self, counts: (True, self.kernel != "blas")
+    )  # BLAS's rows differ, oneDNN's agree
+    projection = Projection(torch.randn(16, 8), None, kernel="blas")
+    assert projection.kernel == "onednn" and projection.packed is not None
+    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, False))  # neither agrees
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    assert Projection(torch.randn(16, 8), None, kernel="blas").kernel is None  # F.linear, the last resort
+
+
+def test_bfloat16_is_refused_where_this_cpus_onednn_cannot_pack_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU without AVX-512 or AVX-NE-CONVERT has no oneDNN bfloat16 path (packing raises): the projection refuses,
+    keeps its kernel, and another of the same shape is refused without trying again."""
+    projection = Projection(torch.randn(8, 4), None, kernel="onednn")
+    kernel, packed = projection.kernel, projection.packed
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    assert fused_llama.ONEDNN is not None
+    tries: list[int] = []
+
+    def cannot(weight: torch.Tensor, rows: int) -> torch.Tensor:
+        tries.append(rows)
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(fused_llama, "ONEDNN", (fused_llama.ONEDNN[0], cannot))
+    assert projection.use(BFLOAT16) is False and projection.kernel == kernel and projection.packed is packed
+    assert Projection(torch.randn(8, 4), None, kernel=None).use(BFLOAT16) is False
+    assert tries == [1]
 
 
 @pytest.mark.parametrize("kernel", AVAILABLE)
@@ -343,6 +383,8 @@ def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
 def test_projections_that_start_on_blas_or_f_linear_are_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small model (BLAS from the start) or a bfloat16 one (F.linear) keeps its kernel and times nothing."""
     monkeypatch.setattr(fused_llama, "_time_rows", lambda packed, repeats: pytest.fail("timed"))
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, True))  # BLAS taken on any CPU
     gen = torch.Generator().manual_seed(5)
     small = [Projection(torch.randn(16, 8, generator=gen), None, kernel="blas") for _ in range(2)]
     assert choose_kernel(small) == small[0].kernel
