@@ -29,8 +29,9 @@ only when its pass succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +144,44 @@ class RowAttention:
     """[1, 1, W, L] bool for several new tokens (each sees the positions up to its own) or siblings."""
 
 
+_ROWS_ALIKE: dict[int, bool] = {}
+"""By torch's thread count: whether the CPU's fused attention kernel gives a row alone the bits it gets beside
+others (probed once per count)."""
+
+
+def rows_alike(threads: int) -> bool:
+    """Whether, at ``threads`` threads, the CPU's fused attention kernel gives a row (decode and few-token queries)
+    the same bits alone as among others. Not so everywhere: on an AMD Zen 3 at 2 threads a decode row alone got other
+    last bits than among 8 in every draw (at 1 thread, and on an Intel Xeon at 2, the same), so a prompt's text would
+    follow its batch."""
+    if threads not in _ROWS_ALIKE:
+        gen = torch.Generator().manual_seed(0)
+        alike = True
+        for width in (1, 3):
+            q, k, v = (torch.randn(8, 4, n, 24, generator=gen) for n in (width, 48, 48))
+            together = _CPU_ATTENTION(q, k, v)[0]
+            alike &= all(torch.equal(_CPU_ATTENTION(q[i : i + 1], k[i : i + 1], v[i : i + 1])[0], together[i : i + 1])
+                         for i in (0, 5))  # fmt: skip
+        _ROWS_ALIKE[threads] = alike
+    return _ROWS_ALIKE[threads]
+
+
+@contextlib.contextmanager
+def row_invariant(device: torch.device) -> Iterator[None]:
+    """Run the attention inside on one thread where more would give a row other bits beside other rows
+    (:func:`rows_alike`): a row's numbers must not depend on its batch. Setting the count costs well under a
+    microsecond."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or rows_alike(threads):
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -154,13 +193,15 @@ def attention(
 ) -> torch.Tensor:
     """SDPA ``[B, H, W, D]`` of queries ``[B, H, W, D]`` over keys and values ``[B, Hkv, L, D]`` (grouped-query
     attention read in place when ``Hkv < H``)."""
-    if query.shape[2] == 1 and key.shape[1] != query.shape[1]:  # decode, grouped (a mask is [B, 1, 1, L])
-        folded = _folded(query, key.shape[1])
-        out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
-        return out.view(query.shape)
-    return torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )
+    with row_invariant(query.device):
+        if query.shape[2] == 1 and key.shape[1] != query.shape[1]:  # decode, grouped (a mask is [B, 1, 1, L])
+            folded = _folded(query, key.shape[1])
+            out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+            return out.view(query.shape)
+        grouped = key.shape[1] != query.shape[1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=grouped
+        )
 
 
 def split_attention(
@@ -207,7 +248,8 @@ def _merged_decode(
     out): the fused attention kernel over each piece in place, its outputs weighted by the share of the softmax
     mass each piece holds (from the log-sum-exp the kernel returns), as FlashAttention's split-KV decoding merges
     its splits."""
-    parts = [_CPU_ATTENTION(folded, keys, values, scale=scaling) for keys, values in pieces]
+    with row_invariant(folded.device):
+        parts = [_CPU_ATTENTION(folded, keys, values, scale=scaling) for keys, values in pieces]
     shares = torch.stack([lse for _, lse in parts]).softmax(dim=0)  # [S, 1, Hkv, G], float32
     out = None
     for (part, _), share in zip(parts, shares, strict=True):

@@ -304,3 +304,26 @@ def test_rows_feeding_as_many_tokens_at_the_same_padded_length_fill_one_group(
         assert len(groups) == 1 and groups[0].query_index is None and groups[0].mask.shape[:3] == (3, 1, 3)
     for r in range(len(seqs)):
         torch.testing.assert_close(out.rows(r), want[r][-3:], atol=1e-4, rtol=1e-4)
+
+
+def test_attention_runs_on_one_thread_where_more_would_give_a_row_other_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU's fused attention gives a row alone other bits than beside others at this thread count (an AMD
+    Zen 3 at 2 threads), attention runs on one thread and the count comes back after; elsewhere nothing changes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[int] = []
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args: object, **kwargs: object) -> torch.Tensor:
+            seen.append(torch.get_num_threads())
+            return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+        q, k, v = (torch.randn(1, 2, n, 8) for n in (1, 5, 5))
+        for alike, threads in ((False, 1), (True, 2)):
+            monkeypatch.setattr(model_runner, "_ROWS_ALIKE", {2: alike})
+            model_runner.attention(q, k, v, None, None)
+            assert seen[-1] == threads and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
