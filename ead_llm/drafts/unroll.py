@@ -26,9 +26,9 @@ from ead_llm.drafts.model import FeatureDraft, previous
 
 
 def window_mask(positions: torch.Tensor, length: int, j: int) -> torch.Tensor:
-    """``[B, 1, A, length + j * A]`` booleans: :func:`unroll_mask`'s pass ``j`` for queries at ``positions``
-    [B, A] (a window of each row, consecutive): pass 0's keys lie at every position of the row, pass ``i``'s
-    (``1 <= i <= j``) at the window's."""
+    """``[B, 1, A, length + j * A]`` booleans: may pass ``j``'s query at ``positions[b, a]`` (a window of each row,
+    consecutive) read a key. Keys are ordered pass by pass: pass 0's at every position ``q`` of the row, read where
+    ``q <= p - j``; pass ``i``'s (``1 <= i <= j``) at the window's, read at window index ``a - j + i`` only."""
     width = positions.shape[1]
     first = torch.arange(length, device=positions.device)[None, None, :] <= positions[:, :, None] - j
     a = torch.arange(width, device=positions.device)
