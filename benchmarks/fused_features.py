@@ -128,6 +128,7 @@ def trained(
     rng = random.Random(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     groups = distill.batches(train, 16)
+    bfloat16 = bfloat16_native()  # as distill trains: autocast only where the CPU has bfloat16 arithmetic
     step = 0
     draft.train()
     while step < args.steps:
@@ -139,7 +140,7 @@ def trained(
             for setting in optimizer.param_groups:
                 setting["lr"] = args.lr * min(1.0, (step + 1) / 50) * (0.05 + 0.475 * (1.0 + math.cos(math.pi * done)))
             zero = [rng.random() < 0.75 for _ in group]
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16_native()):  # as distill trains
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
                 reader = partial(read, reads=reads, layers=layers)
                 passes = args.depth if done >= 0.5 else 1
                 weights = {"feature_weight": objective[0], "top1_weight": objective[1]}

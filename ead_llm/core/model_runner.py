@@ -152,8 +152,8 @@ others (probed once per count)."""
 def rows_alike(threads: int) -> bool:
     """Whether, at ``threads`` threads, the CPU's fused attention kernel gives a row (decode and few-token queries)
     the same bits alone as among others. Not so everywhere: on an AMD Zen 3 at 2 threads a decode row alone got other
-    last bits than among 8 in every draw (at 1 thread, and on an Intel Xeon at 2, the same), so a prompt's text would
-    follow its batch."""
+    last bits than among 8 in every draw (at 1 thread the same; the Intel Xeon of earlier sessions passed the
+    2-thread batch-invariance tests), so a prompt's text would follow its batch."""
     if threads not in _ROWS_ALIKE:
         gen = torch.Generator().manual_seed(0)
         alike = True

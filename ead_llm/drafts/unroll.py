@@ -72,7 +72,9 @@ def unrolled(
     taken = positions.clamp(max=length - 1)  # a window running past the row reads its last position there
     everywhere = torch.arange(length, device=device)[None].expand(batch, length)
     embedded = draft.embed_tokens(input_ids)
-    causal = window_mask(everywhere, length, 0)
+    in_window = embedded[rows, taken]  # what every pass after the first reads with its guesses
+    last = len(draft.layers) - 1
+    causal = window_mask(everywhere, length, 0) if last else None  # pass 0's layers before the last
     keys: list[list[torch.Tensor]] = [[] for _ in draft.layers]
     values: list[list[torch.Tensor]] = [[] for _ in draft.layers]
     outs: list[torch.Tensor] = []
@@ -80,28 +82,29 @@ def unrolled(
     x = draft.fc(torch.cat((embedded, features.to(dtype)), dim=-1))
     cos, sin = draft.rotary_emb(x, everywhere)
     win_cos, win_sin = draft.rotary_emb(x, positions)
-    last = len(draft.layers) - 1
     for j in range(depth):
+        window = window_mask(positions, length, j)  # what the window's queries read in this pass, every layer
         if j:
             reading = previous(outs[-1])  # pass j reads pass j - 1's output one position back, in the window
-            x = draft.fc(torch.cat((embedded[rows, taken], reading.to(dtype)), dim=-1))
+            x = draft.fc(torch.cat((in_window, reading.to(dtype)), dim=-1))
         for n, layer in enumerate(draft.layers):
             attn: Any = layer.self_attn
             h = layer.input_layernorm(x)  # type: ignore[operator]
             shape = (batch, h.shape[1], -1, attn.head_dim)
             k = attn.k_proj(h).view(shape).transpose(1, 2)
             v = attn.v_proj(h).view(shape).transpose(1, 2)
+            mask = window
             if j == 0 and n < last:  # every position, for the next layer's keys
+                assert causal is not None
                 q = _rotated(attn.q_proj(h).view(shape).transpose(1, 2), cos, sin)
                 k, mask = _rotated(k, cos, sin), causal
             elif j == 0:  # the last layer: keys everywhere, queries in the window
                 k = _rotated(k, cos, sin)
                 x, h = x[rows, taken], h[rows, taken]
                 q = _rotated(attn.q_proj(h).view(batch, width, -1, attn.head_dim).transpose(1, 2), win_cos, win_sin)
-                mask = window_mask(positions, length, 0)
             else:
                 q = _rotated(attn.q_proj(h).view(shape).transpose(1, 2), win_cos, win_sin)
-                k, mask = _rotated(k, win_cos, win_sin), window_mask(positions, length, j)
+                k = _rotated(k, win_cos, win_sin)
             keys[n].append(k)
             values[n].append(v)
             o = F.scaled_dot_product_attention(

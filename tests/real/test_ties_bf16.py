@@ -169,7 +169,8 @@ def test_rounds_on_bf16_logits_emit_the_full_model_distribution(
 
 
 @pytest.mark.timeout(2400)  # thousands of bf16 draws through the engine: minutes on 2 busy cores, and where the CPU
-# has no bfloat16 arithmetic torch emulates it (a Zen 3: 422 s alone on 2 threads, about 15 minutes in CI on one)
+# has no bfloat16 arithmetic torch emulates it (a Zen 3: 422 s alone on 2 threads; in CI, on one, the last test
+# running for at least 8 minutes of a 20.5-minute slow suite)
 def test_the_engine_in_bf16_samples_speculatively_as_the_full_model_does(
     bf16_pair: ModelPair, logits: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
