@@ -308,7 +308,8 @@ def test_rows_feeding_as_many_tokens_at_the_same_padded_length_fill_one_group(
 
 def test_attention_runs_on_one_thread_where_more_would_give_a_row_other_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the CPU's fused attention gives a row alone other bits than beside others at this thread count (an AMD
-    Zen 3 at 2 threads), attention runs on one thread and the count comes back after; elsewhere nothing changes."""
+    Zen 3 at 2 threads), attention runs on one thread and the count comes back after; elsewhere nothing changes. A
+    call for one row attended alone runs on every thread either way."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -325,5 +326,7 @@ def test_attention_runs_on_one_thread_where_more_would_give_a_row_other_bits(mon
             monkeypatch.setattr(model_runner, "_ROWS_ALIKE", {2: alike})
             model_runner.attention(q, k, v, None, None)
             assert seen[-1] == threads and torch.get_num_threads() == 2
+            model_runner.attention(q, k, v, None, None, alone=True)  # a row attended alone: its shape is its own
+            assert seen[-1] == 2
     finally:
         torch.set_num_threads(before)
