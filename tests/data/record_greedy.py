@@ -45,10 +45,11 @@ def digest(values: list) -> str:
     return hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16]
 
 
-def record(engine: Engine, policy: Policy) -> dict[str, dict[str, str]]:
-    """Per ``index/path``: hashes of the token ids, roles, and processed positions (model, tokens, past)."""
+def record(engine: Engine, policy: Policy, count: int = PROBLEMS) -> dict[str, dict[str, str]]:
+    """Per ``index/path``: hashes of the token ids, roles, and processed positions (model, tokens, past), for the
+    first ``count`` problems in one call."""
     sampling = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    requests = [Request(p.prompt, policy, sampling) for p in problems("test", PROBLEMS)]
+    requests = [Request(p.prompt, policy, sampling) for p in problems("test", count)]
     streams: dict[str, dict[str, list]] = {}
     for event in engine.stream(requests):
         stream = streams.setdefault(f"{event.index}/{event.path}", {"tokens": [], "roles": [], "work": []})
