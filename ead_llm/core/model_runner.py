@@ -172,8 +172,8 @@ def row_invariant(device: torch.device) -> Iterator[None]:
     (:func:`rows_alike`): a row's numbers must not depend on its batch. Setting the count costs well under a
     microsecond; the one thread costs more. Calls that can hold several rows need it (short rows grouped by padded
     length); a row attended alone does not (a prompt, a long row, one with siblings): on the Zen 3 at 2 threads, a
-    prefill of 4 rows of 1,100 tokens on SmolLM2 took 11.0-12.2 s with its attention on one thread and 8.9-9.1 s
-    on both, of 3,000 tokens 44-51 against 37-39 s."""
+    prefill of 4 rows of 1,100 tokens on SmolLM2 took 11.0 s with its attention on one thread and 8.9-9.1 s on
+    both, of 3,000 tokens 44-51 against 37-39 s."""
     threads = torch.get_num_threads()
     if device.type != "cpu" or threads == 1 or rows_alike(threads):
         yield

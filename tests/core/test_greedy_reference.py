@@ -20,9 +20,9 @@ def embedded_engine() -> Engine:
 
 
 DEFAULT_PROBLEMS = 40
-"""Problems the default suite runs per policy (CI's slow set runs all of them): a request's streams do not depend on
-what else its call holds (the engine's batch invariance), but for EAGER, whose paths borrow from the call's budget,
-which always runs all of them."""
+"""Problems the default suite runs for each policy but EAGER (CI's slow set runs all of them): a request's streams do
+not depend on what else its call holds (the engine's batch invariance). EAGER's paths borrow from the call's budget,
+so EAGER always runs all of them."""
 
 
 def _check(engine: Engine, name: str, count: int) -> None:
