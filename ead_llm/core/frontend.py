@@ -180,8 +180,8 @@ class Frontend:
         tokens are proposals the large model checks, so greedy speculative decoding's text is the same either way;
         which drafts stand may change. On by default where the CPU multiplies bfloat16 in hardware and the draft's
         products weigh 4 MB or more; a CPU whose bfloat16 products would give a row other bits in another batch keeps
-        them float32 (a warning says so when asked for). It changes only while no request runs (a ``RuntimeError``
-        otherwise: a pass under way would read both kernels)."""
+        them float32 (a warning says so when asked for, running requests or not). It changes only while no request
+        runs (a ``RuntimeError`` otherwise: a pass under way would read both kernels)."""
         return self.runners[Role.SMALL].draft_bfloat16
 
     @draft_bfloat16.setter
@@ -192,8 +192,9 @@ class Frontend:
         runner = self.runners[Role.SMALL]
         if on == runner.draft_bfloat16:
             return
-        with self._idle("draft_bfloat16"):
-            runner.draft_bfloat16 = on
+        if not on or runner.draft_bfloat16_possible():  # (a refusal changes nothing: no need to wait for idle)
+            with self._idle("draft_bfloat16"):
+                runner.draft_bfloat16 = on
         if on and not runner.draft_bfloat16:
             logger.warning(
                 "ead-llm: the draft's products stay as they are: bfloat16 products need a float32 draft on a CPU "

@@ -66,6 +66,14 @@ class FusedDraft:
         size = sum(p.weight.numel() * p.weight.element_size() for p in self.projections)
         return self.float32_kernel is not None and size >= PACK_MIN_BYTES and bfloat16_native()
 
+    def bfloat16_possible(self) -> bool:
+        """Whether :meth:`use_bfloat16` would take: the products float32 on a CPU, and every one's rows the same bits
+        in bfloat16 in any call (asked of copies, each shape probed once per process: this draft's kernels do not
+        change, so a pass under way may run meanwhile)."""
+        if self.float32_kernel is None:
+            return False
+        return all(Projection(p.weight, p.bias, kernel=None).use(BFLOAT16) for p in self.projections)
+
     def use_bfloat16(self, on: bool) -> bool:  # noqa: FBT001 (a setter's value)
         """Run the products in bfloat16 (``on``) or as the model's float32 (its kernel as
         :func:`~ead_llm.core.fused_llama.choose_kernel` chose it); returns whether they now run in bfloat16. A draft's

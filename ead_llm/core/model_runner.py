@@ -576,6 +576,11 @@ class ModelRunner:
         if self._draft is not None:
             self._draft.use_bfloat16(on)
 
+    def draft_bfloat16_possible(self) -> bool:
+        """Whether :attr:`draft_bfloat16` could be on here, asked without changing the draft's kernels
+        (:meth:`ead_llm.core.fused_draft.FusedDraft.bfloat16_possible`)."""
+        return self._draft is not None and self._draft.bfloat16_possible()
+
     def keep_features(self, source: str) -> None:
         """Store every position's final hidden state in the cache, for a draft that reads them."""
         if self._fused is None:

@@ -4,7 +4,9 @@ stays defined with it: speculative decoding is lossless, EAD, EASD and EAGER run
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
+from ead_llm.core.fused_draft import FusedDraft
 from ead_llm.core.fused_llama import BFLOAT16
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
@@ -224,6 +227,7 @@ def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
     assert Engine(pair).draft_bfloat16 is False  # under 4 MB of products: float32 unless asked
     engine = Engine(pair, draft_bfloat16=True)
+    assert engine.runners[Role.SMALL].draft_bfloat16_possible() is engine.draft_bfloat16  # asked: what it took
     kernels = {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     if not engine.draft_bfloat16:  # refused: only where oneDNN's bfloat16 rows differ between calls here
         assert BFLOAT16 not in kernels and "stay as they are" in caplog.text
@@ -280,14 +284,10 @@ def test_draft_bfloat16_takes_a_bool_for_a_feature_draft_only(feature_pair: tupl
     ordinary.close()
 
 
-def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_idle(
-    feature_pair: tuple[Path, Path],
-) -> None:
-    """``draft_bfloat16`` and ``exact_verification`` are read by a pass under way, the limits by admission; set while
-    a request runs (its step held at the start here), they are refused and change nothing, and the request writes
-    what it writes undisturbed."""
-    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
-    engine = Engine(pair, draft_bfloat16=False)
+@contextlib.contextmanager
+def _held_mid_request(engine: Engine) -> Iterator[None]:
+    """A request running on ``engine`` with its step held at the start while the body runs; on leaving it goes on,
+    and must write what it writes alone."""
     want = _generate(engine, SpeculativeDecoding(gamma=3))
     entered, release = threading.Event(), threading.Event()
     step = engine._step
@@ -303,6 +303,24 @@ def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_
     caller.start()
     try:
         assert entered.wait(30)
+        yield
+    finally:
+        release.set()
+        caller.join(30)
+        engine._step = step  # type: ignore[method-assign]
+    assert [o.token_ids for o in got[0]] == [o.token_ids for o in want]  # type: ignore[attr-defined]
+
+
+def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_idle(
+    feature_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``draft_bfloat16`` and ``exact_verification`` are read by a pass under way, the limits by admission; set while
+    a request runs (its step held at the start here), they are refused and change nothing, and the request writes
+    what it writes undisturbed. (bfloat16 products said possible here, so that a change is asked for on any CPU.)"""
+    monkeypatch.setattr(FusedDraft, "bfloat16_possible", lambda self: True)
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=False)
+    with _held_mid_request(engine):
         for setting, value in (("draft_bfloat16", True), ("exact_verification", not engine.exact_verification)):
             before = getattr(engine, setting)
             with pytest.raises(RuntimeError, match=f"{setting} can only change while no request runs"):
@@ -314,10 +332,6 @@ def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_
             engine.set_limits(max_batch=engine.max_batch + 1)
         assert (engine.max_batch, engine.kv_budget_tokens, engine.kv_block_size) == limits
         engine.set_limits(max_batch=engine.max_batch)  # the limits it has: no change, so no refusal
-    finally:
-        release.set()
-        caller.join(30)
-    assert [o.token_ids for o in got[0]] == [o.token_ids for o in want]  # type: ignore[attr-defined]
     flipped = not engine.exact_verification
     engine.exact_verification = flipped  # idle again: allowed
     engine.draft_bfloat16 = True
@@ -342,4 +356,8 @@ def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_
     assert BFLOAT16 not in {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     want = [o.token_ids for o in _generate(engine, LargeOnly())]
     assert [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=3))] == want
+    caplog.clear()
+    with _held_mid_request(engine):  # another object asking for it while requests run: refused as when idle
+        engine.draft_bfloat16 = True
+        assert engine.draft_bfloat16 is False and "stay as they are" in caplog.text
     engine.close()
