@@ -30,6 +30,7 @@ only when its pass succeeds.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,9 @@ class RowAttention:
     """[1, 1, W, L] bool for several new tokens (each sees the positions up to its own) or siblings."""
 
 
+ROWS_ALIKE_KEYS = (48, 496)
+"""Key lengths :func:`rows_alike` probes: a short row's and one near :data:`VIEW_MIN`, the longest a grouped call
+holds (how a kernel shares its work among threads may change with the key length; both are asked, not assumed)."""
 _ROWS_ALIKE: dict[int, bool] = {}
 """By torch's thread count: whether the CPU's fused attention kernel gives a row alone the bits it gets beside
 others (probed once per count)."""
@@ -157,8 +161,8 @@ def rows_alike(threads: int) -> bool:
     if threads not in _ROWS_ALIKE:
         gen = torch.Generator().manual_seed(0)
         alike = True
-        for width in (1, 3):
-            q, k, v = (torch.randn(8, 4, n, 24, generator=gen) for n in (width, 48, 48))
+        for width, length in itertools.product((1, 3), ROWS_ALIKE_KEYS):
+            q, k, v = (torch.randn(8, 4, n, 24, generator=gen) for n in (width, length, length))
             together = _CPU_ATTENTION(q, k, v)[0]
             alike &= all(torch.equal(_CPU_ATTENTION(q[i : i + 1], k[i : i + 1], v[i : i + 1])[0], together[i : i + 1])
                          for i in (0, 5))  # fmt: skip

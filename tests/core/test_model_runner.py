@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -330,3 +332,24 @@ def test_attention_runs_on_one_thread_where_more_would_give_a_row_other_bits(mon
             assert seen[-1] == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_row_probe_finds_a_kernel_that_differs_only_over_long_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose lone rows get other bits only past 256 keys (as one that splits a long row's keys among threads
+    would) is found out: the probe reads a grouped row's longest keys too, not only short ones. The stand-in kernel
+    works each batch entry alone (so its rows agree by construction) and shifts lone rows over long keys."""
+
+    def kernel(shift: float) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+            scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+            out = torch.cat([scores[b : b + 1].softmax(-1) @ v[b : b + 1] for b in range(q.shape[0])])
+            if q.shape[0] == 1 and k.shape[2] > 256:
+                out = out + shift
+            return out, scores.logsumexp(-1)
+
+        return attend
+
+    for shift, alike in ((0.0, True), (1e-6, False)):
+        monkeypatch.setattr(model_runner, "_ROWS_ALIKE", {})
+        monkeypatch.setattr(model_runner, "_CPU_ATTENTION", kernel(shift))
+        assert model_runner.rows_alike(2) is alike
