@@ -17,6 +17,7 @@ sliding window); anything else runs through transformers' modules with the same 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -358,15 +359,24 @@ def kernel_key(prepared: list[Projection]) -> str:
     return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shapes}"
 
 
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` says."""
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU as a kernel choice must tell it apart: its model name, family, model and stepping and a digest of
+    its feature flags (``/proc/cpuinfo``, or ``cpuinfo``'s text), else what ``platform`` says. The name alone is not
+    enough: a virtual machine may report a Zen 3 and a Zen 4 both as "AMD EPYC", whose kernels differ in speed and in
+    which give a row the same bits in any call (a choice timed on one would be taken on the other)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}".strip()
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():  # the first processor's block
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    if "model name" not in fields:
+        return f"{platform.machine()} {platform.processor()}".strip()
+    flags = hashlib.sha256(" ".join(sorted(fields.get("flags", "").split())).encode()).hexdigest()[:12]
+    detail = " ".join(f"{key} {fields[key]}" for key in ("cpu family", "model", "stepping") if key in fields)
+    return f"{fields['model name']} ({detail}, flags {flags})"
 
 
 def kernel_record() -> Path:

@@ -24,6 +24,7 @@ from ead_llm.core.fused_llama import (
     RotaryTable,
     choose_kernel,
     choose_widths,
+    cpu_name,
     first_kernel,
     kernel_key,
     kernel_record,
@@ -365,6 +366,22 @@ def test_a_choice_waits_for_one_under_way_elsewhere_and_takes_its_record(
         kernel_record().write_text(json.dumps({kernel_key(mine): {"kernel": "onednn"}}))
     worker.join(timeout=60)
     assert chosen == ["onednn"] and not timed and all(p.kernel == "onednn" for p in mine)
+
+
+def test_the_record_tells_apart_cpus_that_share_a_name() -> None:
+    """Two CPUs a virtual machine names alike ("AMD EPYC": a Zen 3 and a Zen 4 here, on one disk in turn) get other
+    record keys, so a kernel timed and probed on one is not taken on the other; the same CPU gets the same key."""
+    zen3 = (
+        "processor\t: 0\nmodel name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 1\nstepping\t: 1\nflags\t\t: fpu avx2\n"
+    )
+    zen4 = zen3.replace("model\t\t: 1\n", "model\t\t: 17\n").replace("avx2", "avx2 avx512f avx512_bf16")
+    second_core = zen3.replace("processor\t: 0", "processor\t: 1").replace("avx2", "avx2 avx512f")
+    assert cpu_name(zen3) != cpu_name(zen4)
+    assert cpu_name(zen3) != cpu_name(zen3.replace("avx2", "avx2 avx512f"))  # the same family and model, other flags
+    assert cpu_name(zen3) == cpu_name(zen3 + "\n" + second_core)  # the first processor's block speaks for the CPU
+    assert cpu_name(zen3).startswith("AMD EPYC (cpu family 25 model 1 stepping 1, flags ")
+    assert cpu_name("") == cpu_name("flags\t: avx2\n")  # no model name: what platform says
+    assert cpu_name() == cpu_name()
 
 
 def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
