@@ -106,16 +106,23 @@ def first_kernel(model: Any) -> str | None:
 
 PROBE_ROWS = (1, 2, 3, 4, 5, 7, 8, 16, 33)
 """Row counts whose bits :meth:`Projection.use` compares with the same rows among 64."""
-_AGREEMENT: dict[tuple[Any, ...], tuple[bool, bool]] = {}
-"""Probes already run in this process, by kernel, shape, bias and threads: (one row alone agrees, every other
-probed count agrees)."""
+PAD_MAX = 4
+"""The most rows a smaller call may be padded to: a kernel whose rows get the bits they get among 64 only in calls of
+at least this many is still taken, its smaller calls sent as this many (copies of the last row). An AMD Zen 3's MKL
+gives rows in calls of 1 to 3 other bits and agrees from 4 on; for a small model's projections a call of 4 rows
+there costs 2-13 us through MKL against 22-34 us for one row through oneDNN (the embedded small model's shapes, one
+thread)."""
+_AGREEMENT: dict[tuple[Any, ...], int | None] = {}
+"""Probes already run in this process, by kernel, shape, bias and threads: the row count from which every probed
+count agrees (:meth:`Projection._agreeing_from`), None where the kernel could not pack the weight."""
 
 
-def _takes(kernel: str, agreement: tuple[bool, bool]) -> bool:
-    """Whether a projection may run on ``kernel`` given its probe (one row alone agrees, every other count agrees):
-    every count must agree, and for :data:`BFLOAT16` one row alone too (it is not sent as two)."""
-    single, others = agreement
-    return others and (single or kernel != BFLOAT16)
+def _takes(kernel: str, agreeing_from: int | None) -> bool:
+    """Whether a projection may run on ``kernel`` given the row count from which its probed calls agree: at most
+    :data:`PAD_MAX`, and for :data:`BFLOAT16` one (it is not padded)."""
+    if agreeing_from is None:
+        return False
+    return agreeing_from == 1 if kernel == BFLOAT16 else agreeing_from <= PAD_MAX
 
 
 class Projection:
@@ -132,37 +139,36 @@ class Projection:
         weight."""
         self.packed: torch.Tensor | None = None
         """The weight as the kernel reads it (oneDNN's blocked layout, or transposed for BLAS)."""
-        self.pad_single = False
-        """Whether one row is sent as two: a kernel may run a single row through another code path (oneDNN for
-        1,536 inputs and more on an AMD EPYC, BLAS for any shape on an Intel Xeon), whose last bits differ from the
-        same row's among others."""
+        self.min_rows = 1
+        """Calls of fewer rows are sent as this many: a kernel may run a few rows through another code path (one row:
+        oneDNN for 1,536 inputs and more on an AMD EPYC, BLAS for any shape on an Intel Xeon; 1 to 3 rows: MKL on an
+        AMD Zen 3), whose last bits differ from the same rows' among others."""
         self.widths: tuple[int, ...] = ()
         """``widths[r]``: how many rows a call of ``r`` rows is sent as (copies of its last row fill the rest;
         :func:`tune_widths` sets it where more rows run faster); calls of more rows go as they are."""
         if kernel is not None and weight.device.type == "cpu" and weight.dtype == torch.float32:
-            # the first that gives every row the same bits in any call: BLAS does not on every CPU (an AMD Zen 3's
-            # MKL at 1 to 7 rows), and F.linear, the last resort, neither
+            # the first that gives every row the same bits in any call (its smallest calls padded): BLAS does not on
+            # every CPU, and F.linear, the last resort, neither
             any(self.use(candidate) for candidate in dict.fromkeys((kernel, *KERNELS)))
 
     def use(self, kernel: str | None) -> bool:
         """Run on ``kernel`` from now on (None: ``F.linear``), if it gives every row the same bits whatever rows
-        share its call, one row alone aside (then sent as two); False, changing nothing, where it does not (or
-        oneDNN is missing)."""
+        share its call, calls of fewer than :data:`PAD_MAX` rows aside (then padded to where they agree); False,
+        changing nothing, where it does not (or oneDNN is missing)."""
         if kernel == self.kernel:
             return True
         if kernel is None:
-            self.kernel, self.packed, self.pad_single = None, None, False
+            self.kernel, self.packed, self.min_rows = None, None, 1
             return True
         if kernel not in (*KERNELS, BFLOAT16):
             raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16)} or None, got {kernel!r}")
         if kernel != "blas" and ONEDNN is None:
             return False
         key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
-        agreement = _AGREEMENT.get(key)
-        if agreement is not None and not _takes(kernel, agreement):  # refused before: nothing to pack or probe
+        if key in _AGREEMENT and not _takes(kernel, _AGREEMENT[key]):  # refused before: nothing to pack or probe
             return False
         weight = self.weight.detach()
-        was = (self.kernel, self.packed, self.pad_single)
+        was = (self.kernel, self.packed, self.min_rows)
         try:
             if kernel == "blas":
                 packed = weight.t().contiguous()
@@ -171,22 +177,25 @@ class Projection:
             else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
                 packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
         except RuntimeError:  # this CPU's oneDNN has no such path (bfloat16 wants AVX-512 or AVX-NE-CONVERT)
-            _AGREEMENT[key] = (False, False)
+            _AGREEMENT[key] = None
             return False
         self.kernel, self.packed = kernel, packed
-        if agreement is None:
+        if key not in _AGREEMENT:
             counts = range(2, BF16_ROWS + 1) if kernel == BFLOAT16 else PROBE_ROWS[1:]
-            agreement = _AGREEMENT[key] = self._rows_agree(counts)
+            _AGREEMENT[key] = self._agreeing_from(counts)
+        agreement = _AGREEMENT[key]
         if not _takes(kernel, agreement):
-            self.kernel, self.packed, self.pad_single = was
+            self.kernel, self.packed, self.min_rows = was
             return False
-        self.pad_single = not agreement[0]
+        assert agreement is not None
+        self.min_rows = agreement
         return True
 
-    def _rows_agree(self, counts: Iterable[int]) -> tuple[bool, bool]:
-        """Whether rows called alone, and rows called in groups of each of ``counts``, get the bits they get among
-        64 (which code path a kernel takes for a row count depends on the shape and the CPU, so it is asked, not
-        assumed: another path sums in another order and differs on random rows)."""
+    def _agreeing_from(self, counts: Iterable[int]) -> int:
+        """The row count from which rows called in groups of one and of each of ``counts`` get the bits they get
+        among 64 (one past the largest count that differs; 1 when all agree). Which code path a kernel takes for a
+        row count depends on the shape and the CPU, so it is asked, not assumed: another path sums in another order
+        and differs on random rows."""
         probe = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             together = self._packed(probe)
@@ -196,7 +205,7 @@ class Projection:
                     self._packed(probe[-rows:]), together[-rows:]
                 )
 
-            return agree(1), all(agree(rows) for rows in counts)
+            return max((rows + 1 for rows in (1, *counts) if not agree(rows)), default=1)
 
     def _packed(self, x: torch.Tensor) -> torch.Tensor:
         assert self.packed is not None
@@ -214,9 +223,9 @@ class Projection:
         return ONEDNN[0](x, self.packed, self.bias, "none", [], "")
 
     def width(self, rows: int) -> int:
-        """The rows a call of ``rows`` rows runs as: never one alone where one row takes another path."""
+        """The rows a call of ``rows`` rows runs as: never fewer than :attr:`min_rows`."""
         wide = self.widths[rows] if rows < len(self.widths) else rows
-        return 2 if wide == 1 and self.pad_single else wide
+        return self.min_rows if 0 < wide < self.min_rows else wide
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and not torch.is_grad_enabled():
@@ -275,7 +284,7 @@ on the same model (or another model of the same shapes) takes them instead of ti
 
 
 def _shapes(packed: list[Projection]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((p.kernel, tuple(p.weight.shape), p.bias is not None, p.pad_single) for p in packed)
+    return tuple((p.kernel, tuple(p.weight.shape), p.bias is not None, p.min_rows) for p in packed)
 
 
 def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
@@ -285,10 +294,10 @@ def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
 
 def _time_rows(packed: list[Projection], repeats: int) -> dict[int, float]:
     """Seconds of ``packed``'s products at 1 to :data:`TUNED_ROWS` rows (the fastest of ``repeats`` samples)."""
-    # each call as it runs untuned (one row as two where it must be); the caller's random state is left alone
+    # each call as it runs untuned (padded to its kernel's fewest rows); the caller's random state is left alone
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        n: [torch.randn(2 if n == 1 and p.pad_single else n, p.weight.shape[1], generator=gen) for p in packed]
+        n: [torch.randn(max(n, p.min_rows), p.weight.shape[1], generator=gen) for p in packed]
         for n in range(1, TUNED_ROWS + 1)
     }
     samples: dict[int, list[float]] = {n: [] for n in inputs}

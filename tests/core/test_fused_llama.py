@@ -18,6 +18,7 @@ from ead_llm.core.fused_llama import (
     KERNELS,
     ONEDNN,
     PACK_MIN_BYTES,
+    PAD_MAX,
     PROBE_ROWS,
     TUNED_ROWS,
     Projection,
@@ -159,7 +160,7 @@ def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(m
     assert fused_llama.ONEDNN is not None
     monkeypatch.setattr(fused_llama, "ONEDNN", (fused_llama.ONEDNN[0], lambda weight, rows: weight))  # any CPU
     probes: list[int] = []
-    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: probes.append(1) or (True, False))
+    monkeypatch.setattr(Projection, "_agreeing_from", lambda self, counts: probes.append(1) or 34)  # 33 rows differ
     assert projection.use(BFLOAT16) is False
     assert projection.kernel == "onednn" and projection.packed is packed
     assert fused_llama.ONEDNN is not None
@@ -171,18 +172,60 @@ def test_a_projection_refuses_bfloat16_where_a_rows_bits_would_follow_its_call(m
 def test_a_projection_takes_the_next_kernel_where_its_first_gives_rows_other_bits(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Where BLAS gives a row other bits in another call (an AMD Zen 3's MKL at 1 to 7 rows), a projection asked
-    for it runs on oneDNN, whose rows agree, rather than on F.linear, whose rows do not either."""
+    """Where BLAS gives a row other bits in calls of more rows than padding may add (differing up to 7 rows, against
+    :data:`PAD_MAX`), a projection asked for it runs on oneDNN, whose rows agree, rather than on F.linear, whose rows
+    do not either."""
     assert fused_llama.ONEDNN is not None
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
     monkeypatch.setattr(
-        Projection, "_rows_agree", lambda self, counts: (True, self.kernel != "blas")
-    )  # BLAS's rows differ, oneDNN's agree
+        Projection, "_agreeing_from", lambda self, counts: 8 if self.kernel == "blas" else 1
+    )  # BLAS's rows differ up to 7 rows, oneDNN's agree
     projection = Projection(torch.randn(16, 8), None, kernel="blas")
     assert projection.kernel == "onednn" and projection.packed is not None
-    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, False))  # neither agrees
+    monkeypatch.setattr(Projection, "_agreeing_from", lambda self, counts: 34)  # neither agrees
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
     assert Projection(torch.randn(16, 8), None, kernel="blas").kernel is None  # F.linear, the last resort
+
+
+def test_a_kernel_whose_rows_agree_from_a_few_on_is_taken_with_smaller_calls_padded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel that gives rows in calls of 1 to 3 other bits and agrees from 4 on (an AMD Zen 3's MKL) is taken:
+    calls of fewer rows run as 4 (copies of the last row), so each row gets its bits among 64 in every call, and
+    tuning times them as they run. One that differs up to :data:`PAD_MAX` rows and more is refused."""
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    calls: list[int] = []
+
+    def few_rows_differ(self: Projection, x: torch.Tensor) -> torch.Tensor:  # a stand-in BLAS, exact from 4 rows
+        flat = x.reshape(-1, x.shape[-1])
+        calls.append(flat.shape[0])
+        out = flat @ self.weight.t() + (0.5 if flat.shape[0] < 4 else 0.0)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    monkeypatch.setattr(Projection, "_packed", few_rows_differ)
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(16, 8, generator=gen)
+    projection = Projection(weight, None, kernel="blas")
+    assert projection.kernel == "blas" and projection.min_rows == 4
+    x = torch.randn(64, 8, generator=gen)
+    with torch.inference_mode():
+        whole = projection(x)
+        for rows in (1, 2, 3, 4, 5, 33):
+            calls.clear()
+            assert torch.equal(projection(x[:rows]), whole[:rows]) and torch.equal(projection(x[-rows:]), whole[-rows:])
+            assert calls == [max(rows, 4)] * 2
+        assert torch.equal(projection(x[None, 5:6])[0], whole[5:6])
+        calls.clear()
+        tune_widths([projection], repeats=1)
+        assert min(calls) == 4
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(
+        Projection,
+        "_packed",
+        lambda self, x: x @ self.weight.t() + (0.5 if x.reshape(-1, x.shape[-1]).shape[0] <= PAD_MAX else 0.0),
+    )
+    assert Projection(weight, None, kernel="blas").kernel != "blas"
 
 
 def test_bfloat16_is_refused_where_this_cpus_onednn_cannot_pack_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -265,7 +308,7 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
         p.widths = (0, 8, 8)
     tune_widths(projections, repeats=1)
     rows = sorted({shape[0] for shape in seen})
-    want_one = 2 if projections[0].pad_single else 1
+    want_one = max(1, projections[0].min_rows)
     assert rows == sorted({want_one, *range(2, TUNED_ROWS + 1)})
 
 
@@ -401,7 +444,7 @@ def test_projections_that_start_on_blas_or_f_linear_are_not_timed(monkeypatch: p
     """A small model (BLAS from the start) or a bfloat16 one (F.linear) keeps its kernel and times nothing."""
     monkeypatch.setattr(fused_llama, "_time_rows", lambda packed, repeats: pytest.fail("timed"))
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
-    monkeypatch.setattr(Projection, "_rows_agree", lambda self, counts: (True, True))  # BLAS taken on any CPU
+    monkeypatch.setattr(Projection, "_agreeing_from", lambda self, counts: 1)  # BLAS taken on any CPU
     gen = torch.Generator().manual_seed(5)
     small = [Projection(torch.randn(16, 8, generator=gen), None, kernel="blas") for _ in range(2)]
     assert choose_kernel(small) == small[0].kernel
