@@ -264,8 +264,8 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
     give each the widths :func:`choose_widths` takes from the fastest samples. On an AMD EPYC a memory-bound model
     (SmolLM2: 540 MB of weights) ran its packed products at 1 and 2 rows in 39.9 and 47.5 ms, at 4 in 32.6: oneDNN
     streams packed weights faster with more rows. Which width a call runs as changes its time only, never its rows'
-    bits (every width from two rows on gives a row the same bits, and one row runs alone only where it matches
-    them). Timed once per process for a kernel, a set of shapes and a thread count."""
+    bits (every width from :attr:`Projection.min_rows` on gives a row the same bits, and no call runs as fewer).
+    Timed once per process for a kernel, a set of shapes and a thread count."""
     packed = [p for p in projections if p.packed is not None]
     if not packed:
         return ()

@@ -308,8 +308,7 @@ def test_tuning_again_times_the_calls_as_they_run_untuned(monkeypatch: pytest.Mo
         p.widths = (0, 8, 8)
     tune_widths(projections, repeats=1)
     rows = sorted({shape[0] for shape in seen})
-    want_one = max(1, projections[0].min_rows)
-    assert rows == sorted({want_one, *range(2, TUNED_ROWS + 1)})
+    assert rows == sorted({max(n, projections[0].min_rows) for n in range(1, TUNED_ROWS + 1)})
 
 
 def test_packing_and_tuning_leave_the_callers_random_state_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -424,7 +423,9 @@ def test_the_record_tells_apart_cpus_that_share_a_name() -> None:
     assert cpu_name(zen3) == cpu_name(zen3 + "\n" + second_core)  # the first processor's block speaks for the CPU
     assert cpu_name(zen3).startswith("AMD EPYC (cpu family 25 model 1 stepping 1, flags ")
     assert cpu_name("") == cpu_name("flags\t: avx2\n")  # no model name: what platform says
-    assert cpu_name() == cpu_name()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists() and "model name" in cpuinfo.read_text():
+        assert "(cpu family " in cpu_name()  # this machine's own file is read the same way
 
 
 def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
