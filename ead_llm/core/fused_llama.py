@@ -294,13 +294,15 @@ def _time_widths(packed: list[Projection], repeats: int) -> tuple[int, ...]:
 
 def _time_rows(packed: list[Projection], repeats: int) -> dict[int, float]:
     """Seconds of ``packed``'s products at 1 to :data:`TUNED_ROWS` rows (the fastest of ``repeats`` samples)."""
-    # each call as it runs untuned (padded to its kernel's fewest rows); the caller's random state is left alone
+    # each call as it runs untuned (padded to its kernel's fewest rows), each distinct one timed once; the caller's
+    # random state is left alone
+    runs = {n: tuple(max(n, p.min_rows) for p in packed) for n in range(1, TUNED_ROWS + 1)}
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        n: [torch.randn(max(n, p.min_rows), p.weight.shape[1], generator=gen) for p in packed]
-        for n in range(1, TUNED_ROWS + 1)
+        rows: [torch.randn(r, p.weight.shape[1], generator=gen) for p, r in zip(packed, rows, strict=True)]
+        for rows in dict.fromkeys(runs.values())
     }
-    samples: dict[int, list[float]] = {n: [] for n in inputs}
+    samples: dict[tuple[int, ...], list[float]] = {rows: [] for rows in inputs}
 
     def products(xs: list[torch.Tensor], times: int) -> float:
         start = time.perf_counter()
@@ -310,14 +312,14 @@ def _time_rows(packed: list[Projection], repeats: int) -> dict[int, float]:
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        products(inputs[2], 1)  # untimed: a kernel makes its code paths on first use
+        products(inputs[runs[2]], 1)  # untimed: a kernel makes its code paths on first use
         # a small model's pass takes well under a millisecond: each sample runs enough passes to outlast the noise
-        times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(products(inputs[1], 1), 1e-6))))
+        times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(products(inputs[runs[1]], 1), 1e-6))))
         for _ in range(repeats):
-            for n, xs in inputs.items():
-                samples[n].append(products(xs, times) / times)
+            for rows, xs in inputs.items():
+                samples[rows].append(products(xs, times) / times)
     # the fastest sample of each: a busy machine only ever adds time, and a small model's widths must not follow it
-    return {n: min(times) for n, times in samples.items()}
+    return {n: min(samples[rows]) for n, rows in runs.items()}
 
 
 def kernel_cost(seconds: dict[int, float]) -> float:

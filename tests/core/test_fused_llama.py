@@ -192,7 +192,7 @@ def test_a_kernel_whose_rows_agree_from_a_few_on_is_taken_with_smaller_calls_pad
 ) -> None:
     """A kernel that gives rows in calls of 1 to 3 other bits and agrees from 4 on (an AMD Zen 3's MKL) is taken:
     calls of fewer rows run as 4 (copies of the last row), so each row gets its bits among 64 in every call, and
-    tuning times them as they run. One that differs up to :data:`PAD_MAX` rows and more is refused."""
+    tuning times them as they run (that call once). One that differs up to :data:`PAD_MAX` rows and more is refused."""
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
     monkeypatch.setattr(fused_llama, "_TUNED", {})
     calls: list[int] = []
@@ -219,6 +219,8 @@ def test_a_kernel_whose_rows_agree_from_a_few_on_is_taken_with_smaller_calls_pad
         calls.clear()
         tune_widths([projection], repeats=1)
         assert min(calls) == 4
+        seconds = fused_llama._time_rows([projection], 1)  # calls of 1 to 3 rows are the 4-row call, timed once
+        assert seconds[1] == seconds[2] == seconds[3] == seconds[4]
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
     monkeypatch.setattr(
         Projection,
