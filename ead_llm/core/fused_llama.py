@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ead_llm.core import kernels
 from ead_llm.core.sources import cache_dir, cache_lock
 
 if TYPE_CHECKING:
@@ -57,15 +58,17 @@ PACK_ROWS = 4
 ``benchmarks/linear_kernels.py``): packed for 1 row, 2 to 64 rows cost 1.7-2x one row; packed for 2 to 16, alike
 (2 to 5 rows 1.0-1.4x one row); at least 1.9x faster than torch's default CPU BLAS from 1 to 256 rows."""
 
-KERNELS = ("onednn", "blas")
+KERNELS = ("onednn", "blas", "native")
 """How a float32 CPU projection runs: ``onednn``, oneDNN's linear on the weight packed into its blocked layout;
-``blas``, torch's BLAS (``mm``/``addmm``) on the weight stored transposed, ``[in, out]`` and contiguous. Either
-gives a row the same bits whatever rows share its call (oneDNN by construction; BLAS where :meth:`Projection.use`
-finds it so on this machine), so a prompt's text does not depend on its place in a batch. Which is faster depends
-on the machine and the model: on an AMD EPYC (Zen 4) oneDNN's packed products ran 1.9-4x torch's default CPU
-BLAS; on an Intel Xeon with AVX-512 the embedded large model's decode forward took 1.80 ms with oneDNN and 1.46 ms
-with BLAS (a packed call costs about 20 us there before any arithmetic), while SmolLM2 still ran faster packed.
-:func:`choose_kernel` times both per model and records the choice for the machine."""
+``blas``, torch's BLAS (``mm``/``addmm``) on the weight stored transposed, ``[in, out]`` and contiguous; ``native``,
+ead-llm's own AVX2 kernel (:mod:`ead_llm.core.kernels`) on the weight in its panels, where it builds. Each gives a
+row the same bits whatever rows share its call (oneDNN and ours by construction; BLAS where :meth:`Projection.use`
+finds it so on this machine; all three are probed), so a prompt's text does not depend on its place in a batch.
+Which is faster depends on the machine and the model: on an AMD EPYC (Zen 4) oneDNN's packed products ran 1.9-4x
+torch's default CPU BLAS; on an Intel Xeon with AVX-512 the embedded large model's decode forward took 1.80 ms with
+oneDNN and 1.46 ms with BLAS (a packed call costs about 20 us there before any arithmetic), while SmolLM2 still ran
+faster packed; on an AMD Zen 3 ours ran SmolLM2's products 1.3x oneDNN at one row and 1.5x at four.
+:func:`choose_kernel` times them per model and records the choice for the machine."""
 
 BFLOAT16 = "onednn-bf16"
 """A projection kernel that changes a model's arithmetic, for drafts only
@@ -162,7 +165,7 @@ class Projection:
             return True
         if kernel not in (*KERNELS, BFLOAT16):
             raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16)} or None, got {kernel!r}")
-        if kernel != "blas" and ONEDNN is None:
+        if (kernel in ("onednn", BFLOAT16) and ONEDNN is None) or (kernel == "native" and not kernels.available()):
             return False
         key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
         if key in _AGREEMENT and not _takes(kernel, _AGREEMENT[key]):  # refused before: nothing to pack or probe
@@ -174,6 +177,8 @@ class Projection:
                 packed = weight.t().contiguous()
             elif kernel == "onednn":
                 packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
+            elif kernel == "native":
+                packed = kernels.pack(weight)
             else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
                 packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
         except RuntimeError:  # this CPU's oneDNN has no such path (bfloat16 wants AVX-512 or AVX-NE-CONVERT)
@@ -213,6 +218,8 @@ class Projection:
             flat = x.reshape(-1, x.shape[-1])
             out = torch.mm(flat, self.packed) if self.bias is None else torch.addmm(self.bias, flat, self.packed)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if self.kernel == "native":
+            return kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         assert ONEDNN is not None
         if self.kernel == BFLOAT16:
             flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -330,15 +337,18 @@ def kernel_cost(seconds: dict[int, float]) -> float:
 
 
 def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None:
-    """Put a model's prepared projections on the faster of :data:`KERNELS` (both timed as :func:`tune_widths` times
-    widths, where both keep every row's bits whatever rows share a call) and return it. The choice changes the last
-    bits of the logits, so it is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU, torch's
-    version, the thread count and the shapes): every later process on the machine runs the same kernel, and the
-    same seed gives the same text. Projections that start on ``F.linear`` or on BLAS (a model under
-    :data:`PACK_MIN_BYTES`) stay as they are."""
-    prepared = [p for p in projections if p.kernel == "onednn"]
-    if not prepared or len(prepared) != len([p for p in projections if p.packed is not None]):
+    """Put a model's prepared projections on the fastest of its :func:`candidates` (each timed as :func:`tune_widths`
+    times widths, where it keeps every row's bits whatever rows share a call) and return it. The choice changes the
+    last bits of the logits, so it is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU,
+    torch's version, the thread count, the candidates and the shapes): every later process on the machine runs the
+    same kernel, and the same seed gives the same text. Projections that start on ``F.linear``, or on kernels that
+    differ, stay as they are."""
+    prepared = [p for p in projections if p.packed is not None]
+    start = prepared[0].kernel if prepared else None
+    if start not in KERNELS or len(prepared) != len(projections) or any(p.kernel != start for p in prepared):
         return projections[0].kernel if projections else None
+    if candidates(prepared) == (start,):  # nothing to weigh it against
+        return start
     key = kernel_key(prepared)
     chosen = _recorded_kernel(key)
     timed: dict[str, dict[int, float]] = {}
@@ -348,26 +358,38 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
         with _RECORD_LOCK, cache_lock(KERNEL_LOCK):
             chosen = _recorded_kernel(key)
             if chosen is None:
-                for kernel in KERNELS:
-                    if not all(p.use(kernel) for p in prepared):
-                        break
-                    timed[kernel] = _time_rows(prepared, repeats)
+                for kernel in candidates(prepared):
+                    if all(p.use(kernel) for p in prepared):
+                        timed[kernel] = _time_rows(prepared, repeats)
                 costs = {k: kernel_cost(seconds) for k, seconds in timed.items()}
-                chosen = min(costs, key=lambda k: costs[k])
+                chosen = min(costs, key=lambda k: costs[k]) if costs else start
                 _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
     if not all(p.use(chosen) for p in prepared):  # a record from another build whose BLAS now differs per row
         for p in prepared:
-            p.use("onednn")
-        return "onednn"
+            p.use(start)
+        return start
     if chosen in timed:  # its widths are timed already: tune_widths takes them
         _TUNED[(torch.get_num_threads(), repeats, *_shapes(prepared))] = choose_widths(timed[chosen])
     return chosen
 
 
+def candidates(prepared: list[Projection]) -> tuple[str, ...]:
+    """The kernels :func:`choose_kernel` times for a model's projections: those of :data:`KERNELS` that run here,
+    oneDNN only for projections that started on it (a model under :data:`PACK_MIN_BYTES` does not repay its fixed
+    cost a call)."""
+    start = prepared[0].kernel if prepared else None
+    return tuple(
+        k
+        for k in KERNELS
+        if (k != "onednn" or (start == "onednn" and ONEDNN is not None)) and (k != "native" or kernels.available())
+    )
+
+
 def kernel_key(prepared: list[Projection]) -> str:
     """The record's key for a model's projections on this machine."""
     shapes = sorted({(tuple(p.weight.shape), p.bias is not None) for p in prepared})
-    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{shapes}"
+    timed = ",".join(k if k != "native" else f"native {kernels.VERSION}" for k in candidates(prepared))
+    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{timed}|{shapes}"
 
 
 def cpu_name(cpuinfo: str | None = None) -> str:

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from ead_llm.core import fused_llama
+from ead_llm.core import fused_llama, kernels
 from ead_llm.core.fused_llama import (
     BF16_ROWS,
     BFLOAT16,
@@ -35,7 +35,7 @@ from ead_llm.core.fused_llama import (
 )
 from ead_llm.core.sources import cache_lock
 
-AVAILABLE = [k for k in KERNELS if k != "onednn" or ONEDNN is not None]
+AVAILABLE = [k for k in KERNELS if (k != "onednn" or ONEDNN is not None) and (k != "native" or kernels.available())]
 
 
 def test_rotary_on_q_and_k_together_is_transformers_bit_for_bit() -> None:
@@ -443,16 +443,30 @@ def test_a_record_that_cannot_be_written_leaves_the_choice_to_this_process(
     assert not kernel_record().exists()
 
 
-def test_projections_that_start_on_blas_or_f_linear_are_not_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small model (BLAS from the start) or a bfloat16 one (F.linear) keeps its kernel and times nothing."""
-    monkeypatch.setattr(fused_llama, "_time_rows", lambda packed, repeats: pytest.fail("timed"))
+def test_projections_that_start_on_blas_are_timed_without_onednn_and_f_linear_ones_not_at_all(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A small model (BLAS from the start) is weighed against ead-llm's own kernel only where that builds, never
+    against oneDNN (whose fixed cost a call it does not repay); a bfloat16 one (F.linear) keeps its kernel and times
+    nothing."""
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    timed: list[str | None] = []
+    favour_blas = _timings_favouring("blas")
+    monkeypatch.setattr(
+        fused_llama,
+        "_time_rows",
+        lambda packed, repeats: timed.append(packed[0].kernel) or favour_blas(packed, repeats),
+    )
     monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
     monkeypatch.setattr(Projection, "_agreeing_from", lambda self, counts: 1)  # BLAS taken on any CPU
     gen = torch.Generator().manual_seed(5)
     small = [Projection(torch.randn(16, 8, generator=gen), None, kernel="blas") for _ in range(2)]
-    assert choose_kernel(small) == small[0].kernel
+    assert choose_kernel(small) == "blas" and all(p.kernel == "blas" for p in small)
+    assert timed == (["blas", "native"] if kernels.available() else [])
+    timed.clear()
     half = [Projection(torch.randn(16, 8, generator=gen).bfloat16(), None, kernel="onednn")]
-    assert choose_kernel(half) is None and half[0].kernel is None
+    assert choose_kernel(half) is None and half[0].kernel is None and not timed
 
 
 class _Rotary(torch.nn.Module):

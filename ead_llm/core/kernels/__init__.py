@@ -1,0 +1,140 @@
+"""ead-llm's own CPU projection kernel (``rows.c``): float32, AVX2 and FMA, a row's bits the same in any call.
+
+Compiled on first use with the machine's C compiler into :func:`ead_llm.core.sources.cache_dir` (about a
+second, once per machine and source) and called through ``ctypes``, which releases the interpreter lock while it
+runs. Where there is no compiler, the CPU lacks AVX2 or FMA, or ``EAD_LLM_NATIVE_KERNEL=0`` is set,
+:func:`available` is False and the engine keeps torch's kernels.
+
+Why a kernel of our own: at the few rows a decode step or a verification of a few drafts sends, oneDNN and MKL
+run their products through paths that neither stream the weights at the memory's speed nor give a row the same
+bits in calls of 1 to 3 rows on every CPU (``ead_llm.core.fused_llama.PAD_MAX``). This one keeps up to four rows'
+accumulators in registers while one pass over each weight panel serves them all, and sums every output in one
+fixed order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from ead_llm.core.sources import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("rows.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+"""``-ffp-contract=off``: the compiler fuses nothing the source does not (the bias is added after each chain)."""
+DISABLE = "EAD_LLM_NATIVE_KERNEL"
+"""Set to ``0`` to keep the engine on torch's kernels."""
+
+VERSION = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
+"""The kernel's source digest: a record of kernel choices names it, so a changed kernel is timed anew."""
+
+_LOCK = threading.Lock()
+_LIBRARY: list[ctypes.CDLL | None] = []
+
+
+def available() -> bool:
+    """Whether the kernel runs here (compiled now if it was not yet)."""
+    return _library() is not None
+
+
+def _supported() -> bool:
+    if os.environ.get(DISABLE, "1").strip() == "0":
+        return False
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _library() -> ctypes.CDLL | None:
+    with _LOCK:
+        if not _LIBRARY:
+            _LIBRARY.append(_load() if _supported() else None)
+        return _LIBRARY[0]
+
+
+def _load() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: ead-llm's own CPU kernel is not built, torch's run")
+        return None
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"rows-{digest}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as error:
+        detail = getattr(error, "stderr", b"") or b""
+        log.warning("ead-llm's own CPU kernel did not build (%s %s): torch's kernels run", error, detail[-400:])
+        return None
+    int64, pointer = ctypes.c_int64, ctypes.c_void_p
+    library.ead_rows_pack.argtypes = [pointer, int64, int64, pointer]
+    library.ead_rows_pack.restype = None
+    library.ead_rows_linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer]
+    library.ead_rows_linear.restype = None
+    library.ead_rows_panel_width.restype = int64
+    return library
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile into a file beside ``target``, then rename it there: a process loading it never sees it half
+    written, and a build that fails leaves nothing behind."""
+    handle, name = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(handle)
+    scratch = Path(name)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], check=True, capture_output=True, timeout=120
+        )
+        os.replace(scratch, target)
+    finally:
+        scratch.unlink(missing_ok=True)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (float32, CPU) in the kernel's panels: a new flat tensor."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("ead-llm's own CPU kernel is not available here (see ead_llm.core.kernels.available)")
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"the kernel packs a 2-D float32 CPU weight, got {weight.dtype} {tuple(weight.shape)}")
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    width = int(library.ead_rows_panel_width())
+    packed = torch.empty(-(-n // width) * width * k, dtype=torch.float32)
+    library.ead_rows_pack(weight.data_ptr(), n, k, packed.data_ptr())
+    return packed
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[..., in]`` (float32, CPU) and ``packed`` from :func:`pack`."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "pack() first"
+    k = x.shape[-1]
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
+    if flat.shape[0]:
+        library.ead_rows_linear(
+            flat.data_ptr(),
+            flat.shape[0],
+            k,
+            packed.data_ptr(),
+            out_features,
+            None if bias is None else bias.contiguous().data_ptr(),
+            out.data_ptr(),
+        )
+    return out.view(*x.shape[:-1], out_features)
