@@ -7,7 +7,7 @@ runs. Where there is no compiler, the CPU lacks AVX2 or FMA, or ``EAD_LLM_NATIVE
 
 Why a kernel of our own: at the few rows a decode step or a verification of a few drafts sends, oneDNN and MKL
 run their products through paths that neither stream the weights at the memory's speed nor give a row the same
-bits in calls of 1 to 3 rows on every CPU (``ead_llm.core.fused_llama.PAD_MAX``). This one keeps up to four rows'
+bits in calls of 1 to 3 rows on every CPU (``ead_llm.core.fused_llama.PAD_MAX``). This one keeps up to six rows'
 accumulators in registers while one pass over each weight panel serves them all, and sums every output in one
 fixed order.
 """
