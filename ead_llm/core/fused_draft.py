@@ -16,13 +16,12 @@ import torch
 from torch.nn import functional as F
 
 from ead_llm.core.fused_llama import (
-    BFLOAT16,
     PACK_MIN_BYTES,
     FusedLayer,
     Projection,
     RotaryTable,
-    bfloat16_native,
     choose_kernel,
+    draft_bfloat16_kernel,
     first_kernel,
     rms_norm,
     tune_widths,
@@ -56,15 +55,17 @@ class FusedDraft:
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)
         self.bfloat16 = False
-        """Whether the products run in bfloat16 (:data:`~ead_llm.core.fused_llama.BFLOAT16`)."""
+        """Whether the products run in bfloat16 (:func:`~ead_llm.core.fused_llama.draft_bfloat16_kernel`)."""
         self.use_bfloat16(self.bfloat16_pays() if bfloat16 is None else bfloat16)
 
     def bfloat16_pays(self) -> bool:
-        """Whether bfloat16 products are the default here: a CPU with bfloat16 in hardware, and products of at least
+        """Whether bfloat16 products are the default here: a bfloat16 kernel for this CPU (its own bfloat16 arithmetic,
+        or ead-llm's kernel widening bfloat16 weights on AVX2: :func:`~ead_llm.core.fused_llama.draft_bfloat16_kernel`),
+        and products of at least
         :data:`~ead_llm.core.fused_llama.PACK_MIN_BYTES` (a smaller draft's stay in the cache, where a call's fixed
         cost outweighs the bytes)."""
         size = sum(p.weight.numel() * p.weight.element_size() for p in self.projections)
-        return self.float32_kernel is not None and size >= PACK_MIN_BYTES and bfloat16_native()
+        return self.float32_kernel is not None and size >= PACK_MIN_BYTES and draft_bfloat16_kernel() is not None
 
     def bfloat16_possible(self) -> bool:
         """Whether :meth:`use_bfloat16` would take: the products float32 on a CPU, and every one's rows the same bits
@@ -72,7 +73,10 @@ class FusedDraft:
         change, so a pass under way may run meanwhile)."""
         if self.float32_kernel is None:
             return False
-        return all(Projection(p.weight, p.bias, kernel=None).use(BFLOAT16) for p in self.projections)
+        kernel = draft_bfloat16_kernel()
+        if kernel is None:
+            return False
+        return all(Projection(p.weight, p.bias, kernel=None).use(kernel) for p in self.projections)
 
     def use_bfloat16(self, on: bool) -> bool:  # noqa: FBT001 (a setter's value)
         """Run the products in bfloat16 (``on``) or as the model's float32 (its kernel as
@@ -82,7 +86,7 @@ class FusedDraft:
         float32."""
         if on == self.bfloat16 or self.float32_kernel is None:  # nothing prepared: F.linear on the model's weights
             return self.bfloat16
-        kernel = BFLOAT16 if on else self.float32_kernel
+        kernel = (draft_bfloat16_kernel() or self.float32_kernel) if on else self.float32_kernel
         if all(p.use(kernel) for p in self.projections):
             self.bfloat16 = on
         else:  # every product in one precision

@@ -77,6 +77,21 @@ bfloat16 and the result back to float32. A draft's products are memory-bound at 
 about half the time (the shipped SmolLM2 draft's products at one row with the caches cold, as after the target's
 pass: 1.5 against 2.9 ms on an Intel Xeon with AMX). Never chosen by timing as :data:`KERNELS` are:
 :meth:`Projection.use` takes it where a row's bits are the same in every call of 1 to :data:`BF16_ROWS` rows."""
+NATIVE_BF16 = "native-bf16"
+"""The draft's bfloat16 products on a CPU without bfloat16 arithmetic: ead-llm's own kernel on the weight rounded to
+bfloat16 and widened back in registers, the rows and the sums in float32 (:mod:`ead_llm.core.kernels`). Half the
+bytes of a memory-bound product on any AVX2 CPU; a row's bits the same in any call by construction. Drafts only, as
+:data:`BFLOAT16`."""
+
+
+def draft_bfloat16_kernel() -> str | None:
+    """The kernel a draft's bfloat16 products run on here: :data:`BFLOAT16` where the CPU has bfloat16 arithmetic,
+    else :data:`NATIVE_BF16` where ead-llm's own kernel builds, else None."""
+    if bfloat16_native():
+        return BFLOAT16
+    return NATIVE_BF16 if kernels.available() else None
+
+
 BF16_ROWS = 64
 """A :data:`BFLOAT16` projection runs its rows in calls of at most this many: oneDNN's bfloat16 product takes
 another path for larger calls (on an Intel Xeon, a row's bits among 200 rows differed from its bits among 64 for a
@@ -125,7 +140,7 @@ def _takes(kernel: str, agreeing_from: int | None) -> bool:
     :data:`PAD_MAX`, and for :data:`BFLOAT16` one (it is not padded)."""
     if agreeing_from is None:
         return False
-    return agreeing_from == 1 if kernel == BFLOAT16 else agreeing_from <= PAD_MAX
+    return agreeing_from == 1 if kernel in (BFLOAT16, NATIVE_BF16) else agreeing_from <= PAD_MAX
 
 
 class Projection:
@@ -163,9 +178,11 @@ class Projection:
         if kernel is None:
             self.kernel, self.packed, self.min_rows = None, None, 1
             return True
-        if kernel not in (*KERNELS, BFLOAT16):
-            raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16)} or None, got {kernel!r}")
-        if (kernel in ("onednn", BFLOAT16) and ONEDNN is None) or (kernel == "native" and not kernels.available()):
+        if kernel not in (*KERNELS, BFLOAT16, NATIVE_BF16):
+            raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16, NATIVE_BF16)} or None, got {kernel!r}")
+        if (kernel in ("onednn", BFLOAT16) and ONEDNN is None) or (
+            kernel in ("native", NATIVE_BF16) and not kernels.available()
+        ):
             return False
         key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
         if key in _AGREEMENT and not _takes(kernel, _AGREEMENT[key]):  # refused before: nothing to pack or probe
@@ -177,8 +194,8 @@ class Projection:
                 packed = weight.t().contiguous()
             elif kernel == "onednn":
                 packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
-            elif kernel == "native":
-                packed = kernels.pack(weight)
+            elif kernel in ("native", NATIVE_BF16):
+                packed = kernels.pack(weight, bfloat16=kernel == NATIVE_BF16)
             else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
                 packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
         except RuntimeError:  # this CPU's oneDNN has no such path (bfloat16 wants AVX-512 or AVX-NE-CONVERT)
@@ -218,7 +235,7 @@ class Projection:
             flat = x.reshape(-1, x.shape[-1])
             out = torch.mm(flat, self.packed) if self.bias is None else torch.addmm(self.bias, flat, self.packed)
             return out.view(*x.shape[:-1], out.shape[-1])
-        if self.kernel == "native":
+        if self.kernel in ("native", NATIVE_BF16):
             return kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         assert ONEDNN is not None
         if self.kernel == BFLOAT16:

@@ -17,7 +17,7 @@ from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
 from ead_llm.core import fused_llama
 from ead_llm.core.engine import Engine
 from ead_llm.core.fused_draft import FusedDraft
-from ead_llm.core.fused_llama import BFLOAT16
+from ead_llm.core.fused_llama import BFLOAT16, NATIVE_BF16, draft_bfloat16_kernel
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.model_runner import ModelRunner, PassRow
@@ -230,10 +230,10 @@ def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     assert engine.runners[Role.SMALL].draft_bfloat16_possible() is engine.draft_bfloat16  # asked: what it took
     kernels = {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     if not engine.draft_bfloat16:  # refused: only where oneDNN's bfloat16 rows differ between calls here
-        assert BFLOAT16 not in kernels and "stay as they are" in caplog.text
+        assert draft_bfloat16_kernel() not in kernels and "stay as they are" in caplog.text
         assert not all(bfloat16_rows_agree(p.weight) for p in engine.runners[Role.SMALL]._draft.projections)  # type: ignore[union-attr]
         return
-    assert kernels == {BFLOAT16}
+    assert kernels == {draft_bfloat16_kernel()}
     tokens = torch.randint(5, 300, (9,), generator=torch.Generator().manual_seed(3)).tolist()
 
     def draft_logits() -> torch.Tensor:
@@ -249,7 +249,7 @@ def test_a_drafts_products_in_bfloat16_leave_greedy_text_and_seeds_as_they_were(
     with torch.inference_mode():
         low = draft_logits()
         engine.draft_bfloat16 = False
-        assert {p.kernel for p in engine.runners[Role.SMALL]._draft.projections} != {BFLOAT16}  # type: ignore[union-attr]
+        assert {p.kernel for p in engine.runners[Role.SMALL]._draft.projections} != {draft_bfloat16_kernel()}  # type: ignore[union-attr]
         full = draft_logits()
         reference = Engine(pair, draft_bfloat16=False)
         engine.draft_bfloat16 = True
@@ -349,11 +349,13 @@ def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_
     monkeypatch.setattr(
         fused_llama.Projection,
         "_agreeing_from",
-        lambda self, counts: 34 if self.kernel == BFLOAT16 else probe(self, counts),  # a call of 33 rows differs
+        lambda self, counts: (
+            34 if self.kernel in (BFLOAT16, NATIVE_BF16) else probe(self, counts)
+        ),  # a call of 33 rows differs
     )
     engine = Engine(pair, draft_bfloat16=True)
     assert engine.draft_bfloat16 is False and "stay as they are" in caplog.text
-    assert BFLOAT16 not in {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
+    assert not {BFLOAT16, NATIVE_BF16} & {p.kernel for p in engine.runners[Role.SMALL]._draft.projections}  # type: ignore[union-attr]
     want = [o.token_ids for o in _generate(engine, LargeOnly())]
     assert [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=3))] == want
     caplog.clear()

@@ -12,7 +12,7 @@ import torch
 from torch.nn import functional as F
 
 from ead_llm.core import fused_llama, kernels
-from ead_llm.core.fused_llama import Projection, candidates
+from ead_llm.core.fused_llama import NATIVE_BF16, Projection, candidates
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -26,12 +26,14 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 @needs_kernel
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (15, 7), (16, 64), (17, 3), (100, 130)])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32", "bfloat16-weights"])
 def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
-    out_features: int, in_features: int, with_bias: bool
+    out_features: int, in_features: int, with_bias: bool, bfloat16: bool
 ) -> None:
     """Outputs past a panel's 16 columns, rows past the 6 a micro-kernel holds and the 64 a block keeps: every row
     of a 130-row call equals itself called alone, in any slice and at any offset, with ties, signed zeros and
-    infinities in the rows; a NaN stays in its own row."""
+    infinities in the rows; a NaN stays in its own row. With bfloat16 weights (a draft's), the values are F.linear's
+    on the weight rounded to bfloat16, to float32 rounding: the widening is exact."""
     gen = torch.Generator().manual_seed(out_features * 1000 + in_features)
     weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
@@ -40,9 +42,11 @@ def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     x[4] = -0.0
     x[5, 0] = float("inf")
     x[6, -1] = float("nan")
-    packed = kernels.pack(weight)
+    packed = kernels.pack(weight, bfloat16=bfloat16)
+    assert packed.dtype == (torch.int16 if bfloat16 else torch.float32)
     whole = kernels.linear(x, packed, out_features, bias)
-    torch.testing.assert_close(whole[7:], F.linear(x[7:], weight, bias), rtol=1e-5, atol=1e-5)
+    reference = weight.bfloat16().float() if bfloat16 else weight
+    torch.testing.assert_close(whole[7:], F.linear(x[7:], reference, bias), rtol=1e-5, atol=1e-5)
     assert whole[6].isnan().all() and not whole[7:].isnan().any()
     for start, stop in [(0, 1), (6, 7), (0, 3), (2, 9), (60, 70), (63, 65), (1, 130), (129, 130), (5, 69)]:
         assert same_bits(kernels.linear(x[start:stop], packed, out_features, bias), whole[start:stop]), (start, stop)
@@ -67,12 +71,18 @@ def test_inputs_of_any_layout_and_an_empty_call() -> None:
 
 @needs_kernel
 def test_a_projection_on_the_kernel_is_taken_with_no_padding() -> None:
-    """The probe finds every row count agreeing (by construction): the projection runs calls of one row as one."""
+    """The probe finds every row count agreeing (by construction): the projection runs calls of one row as one; on
+    bfloat16 weights (a draft's products on a CPU without bfloat16 arithmetic) as well."""
     projection = Projection(torch.randn(48, 40), torch.randn(48), kernel="native")
     assert projection.kernel == "native" and projection.min_rows == 1
     x = torch.randn(3, 40)
     with torch.inference_mode():
         torch.testing.assert_close(projection(x), F.linear(x, projection.weight, projection.bias))
+        assert projection.use(NATIVE_BF16) and projection.min_rows == 1
+        rounded = F.linear(x, projection.weight.bfloat16().float(), projection.bias)
+        torch.testing.assert_close(projection(x), rounded)
+    if not fused_llama.bfloat16_native():
+        assert fused_llama.draft_bfloat16_kernel() == NATIVE_BF16
 
 
 def test_where_the_kernel_is_turned_off_torchs_kernels_run(tmp_path: Path) -> None:
@@ -80,7 +90,7 @@ def test_where_the_kernel_is_turned_off_torchs_kernels_run(tmp_path: Path) -> No
     code = (
         "import torch\n"
         "from ead_llm.core import kernels\n"
-        "from ead_llm.core.fused_llama import Projection, candidates\n"
+        "from ead_llm.core.fused_llama import NATIVE_BF16, Projection, candidates\n"
         "p = Projection(torch.randn(48, 40), None, kernel='native')\n"
         "print(kernels.available(), p.kernel, 'native' in candidates([p]))\n"
     )

@@ -84,8 +84,11 @@ def _load() -> ctypes.CDLL | None:
     int64, pointer = ctypes.c_int64, ctypes.c_void_p
     library.ead_rows_pack.argtypes = [pointer, int64, int64, pointer]
     library.ead_rows_pack.restype = None
-    library.ead_rows_linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer]
-    library.ead_rows_linear.restype = None
+    library.ead_rows_pack16.argtypes = [pointer, int64, int64, pointer]
+    library.ead_rows_pack16.restype = None
+    for linear in (library.ead_rows_linear, library.ead_rows_linear_bf16):
+        linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer]
+        linear.restype = None
     library.ead_rows_panel_width.restype = int64
     return library
 
@@ -105,8 +108,10 @@ def _build(compiler: str, target: Path) -> None:
         scratch.unlink(missing_ok=True)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` (float32, CPU) in the kernel's panels: a new flat tensor."""
+def pack(weight: torch.Tensor, *, bfloat16: bool = False) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (float32, CPU) in the kernel's panels: a new flat tensor. ``bfloat16``: the weight
+    rounded to bfloat16 (as ``weight.to(torch.bfloat16)`` rounds it) and kept so, for a draft, whose products may round:
+    half the bytes to read, the arithmetic still float32 (int16 storage holding the bfloat16 bits)."""
     library = _library()
     if library is None:
         raise RuntimeError("ead-llm's own CPU kernel is not available here (see ead_llm.core.kernels.available)")
@@ -115,20 +120,28 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach().contiguous()
     n, k = weight.shape
     width = int(library.ead_rows_panel_width())
-    packed = torch.empty(-(-n // width) * width * k, dtype=torch.float32)
+    size = -(-n // width) * width * k
+    if bfloat16:
+        bits = weight.to(torch.bfloat16).view(torch.int16)
+        packed = torch.empty(size, dtype=torch.int16)
+        library.ead_rows_pack16(bits.data_ptr(), n, k, packed.data_ptr())
+        return packed
+    packed = torch.empty(size, dtype=torch.float32)
     library.ead_rows_pack(weight.data_ptr(), n, k, packed.data_ptr())
     return packed
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[..., in]`` (float32, CPU) and ``packed`` from :func:`pack`."""
+    """``x @ weight.T + bias`` for ``x`` ``[..., in]`` (float32, CPU) and ``packed`` from :func:`pack` (float32, or
+    bfloat16 weights)."""
     library = _LIBRARY[0] if _LIBRARY else _library()
     assert library is not None, "pack() first"
+    run = library.ead_rows_linear_bf16 if packed.dtype == torch.int16 else library.ead_rows_linear
     k = x.shape[-1]
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
     if flat.shape[0]:
-        library.ead_rows_linear(
+        run(
             flat.data_ptr(),
             flat.shape[0],
             k,
