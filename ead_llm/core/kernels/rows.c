@@ -20,25 +20,19 @@
 
 int64_t ead_rows_panel_width(void) { return NR; }
 
-void ead_rows_pack(const float *w, int64_t n, int64_t k, float *out) {
-    int64_t panels = (n + NR - 1) / NR;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t j = 0; j < NR; j++) {
-                int64_t col = p * NR + j;
-                out[(p * k + i) * NR + j] = col < n ? w[col * k + i] : 0.0f;
-            }
-}
-
-void ead_rows_pack16(const uint16_t *w, int64_t n, int64_t k, uint16_t *out) {
-    int64_t panels = (n + NR - 1) / NR;
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t i = 0; i < k; i++)
-            for (int64_t j = 0; j < NR; j++) {
-                int64_t col = p * NR + j;
-                out[(p * k + i) * NR + j] = col < n ? w[col * k + i] : 0;
-            }
-}
+/* ead_rows_pack (float32) and ead_rows_pack16 (bfloat16 bits): w [n][k] -> [panels][k][NR], zero past n */
+#define PACK(NAME, T)                                                                                                 \
+    void NAME(const T *w, int64_t n, int64_t k, T *out) {                                                             \
+        int64_t panels = (n + NR - 1) / NR;                                                                           \
+        for (int64_t p = 0; p < panels; p++)                                                                          \
+            for (int64_t i = 0; i < k; i++)                                                                           \
+                for (int64_t j = 0; j < NR; j++) {                                                                    \
+                    int64_t col = p * NR + j;                                                                         \
+                    out[(p * k + i) * NR + j] = col < n ? w[col * k + i] : (T)0;                                      \
+                }                                                                                                     \
+    }
+PACK(ead_rows_pack, float)
+PACK(ead_rows_pack16, uint16_t)
 
 static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
     float tmp[NR];
