@@ -1,7 +1,7 @@
-"""The engine's projection kernels (oneDNN on packed weights, BLAS on transposed ones) against torch's default
-``F.linear``, on a real model's weights: every projection of every layer and the head, once per row count, as one
-forward's matrix products. The engine takes the faster kernel per model and machine (``choose_kernel``); this
-prints both.
+"""The engine's projection kernels (oneDNN on packed weights, BLAS on transposed ones, ead-llm's own where it builds)
+against torch's default ``F.linear``, on a real model's weights: every projection of every layer and the head, once
+per row count, as one forward's matrix products. The engine takes the fastest kernel per model and machine
+(``choose_kernel``); this prints each.
 
 Why it matters: a speculative verify pass of a few tokens should cost about one decode step; with torch's default
 CPU BLAS on some machines it costs nearly once per row. Run with the same threads on both sides:

@@ -137,7 +137,7 @@ count agrees (:meth:`Projection._agreeing_from`), None where the kernel could no
 
 def _takes(kernel: str, agreeing_from: int | None) -> bool:
     """Whether a projection may run on ``kernel`` given the row count from which its probed calls agree: at most
-    :data:`PAD_MAX`, and for :data:`BFLOAT16` one (it is not padded)."""
+    :data:`PAD_MAX`, and for a draft's bfloat16 kernels one (they are not padded)."""
     if agreeing_from is None:
         return False
     return agreeing_from == 1 if kernel in (BFLOAT16, NATIVE_BF16) else agreeing_from <= PAD_MAX
@@ -358,11 +358,11 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
     times widths, where it keeps every row's bits whatever rows share a call) and return it. The choice changes the
     last bits of the logits, so it is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU,
     torch's version, the thread count, the candidates and the shapes): every later process on the machine runs the
-    same kernel, and the same seed gives the same text. Projections that start on ``F.linear``, or on kernels that
-    differ, stay as they are."""
+    same kernel, and the same seed gives the same text. Projections left on ``F.linear`` (no kernel gives their rows
+    the same bits) are not timed; a model whose prepared projections start on different kernels stays as it is."""
     prepared = [p for p in projections if p.packed is not None]
     start = prepared[0].kernel if prepared else None
-    if start not in KERNELS or len(prepared) != len(projections) or any(p.kernel != start for p in prepared):
+    if start not in KERNELS or any(p.kernel != start for p in prepared):
         return projections[0].kernel if projections else None
     if candidates(prepared) == (start,):  # nothing to weigh it against
         return start
