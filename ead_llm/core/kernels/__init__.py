@@ -133,21 +133,16 @@ def pack(weight: torch.Tensor, *, bfloat16: bool = False) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[..., in]`` (float32, CPU) and ``packed`` from :func:`pack` (float32, or
-    bfloat16 weights)."""
+    bfloat16 weights). Kept lean: a small model's pass makes a call per projection."""
     library = _LIBRARY[0] if _LIBRARY else _library()
     assert library is not None, "pack() first"
     run = library.ead_rows_linear_bf16 if packed.dtype == torch.int16 else library.ead_rows_linear
+    if not x.is_contiguous():
+        x = x.contiguous()
     k = x.shape[-1]
-    flat = x.reshape(-1, k).contiguous()
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.float32)
-    if flat.shape[0]:
-        run(
-            flat.data_ptr(),
-            flat.shape[0],
-            k,
-            packed.data_ptr(),
-            out_features,
-            None if bias is None else bias.contiguous().data_ptr(),
-            out.data_ptr(),
-        )
-    return out.view(*x.shape[:-1], out_features)
+    out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+    rows = x.numel() // k if k else 0
+    if rows:
+        bias_at = None if bias is None else bias.contiguous().data_ptr()
+        run(x.data_ptr(), rows, k, packed.data_ptr(), out_features, bias_at, out.data_ptr())
+    return out
