@@ -86,8 +86,8 @@ class FusedDraft:
         float32."""
         if on == self.bfloat16 or self.float32_kernel is None:  # nothing prepared: F.linear on the model's weights
             return self.bfloat16
-        kernel = (draft_bfloat16_kernel() or self.float32_kernel) if on else self.float32_kernel
-        if all(p.use(kernel) for p in self.projections):
+        kernel = draft_bfloat16_kernel() if on else self.float32_kernel
+        if kernel is not None and all(p.use(kernel) for p in self.projections):
             self.bfloat16 = on
         else:  # every product in one precision
             for p in self.projections:

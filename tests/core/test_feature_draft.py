@@ -340,6 +340,23 @@ def test_settings_a_pass_reads_are_refused_while_a_request_runs_and_change_when_
     engine.close()
 
 
+def test_a_cpu_with_no_bfloat16_kernel_keeps_the_draft_float32_and_says_so(
+    feature_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Neither bfloat16 arithmetic nor our kernel here (no compiler, no AVX2): asked for bfloat16, the draft runs and
+    reports float32, never a float32 kernel under the bfloat16 name."""
+    from ead_llm.core import fused_draft
+
+    monkeypatch.setattr(fused_draft, "draft_bfloat16_kernel", lambda: None)
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=True)
+    draft = engine.runners[Role.SMALL]._draft
+    assert draft is not None and draft.bfloat16 is False and engine.draft_bfloat16 is False
+    assert {p.kernel for p in draft.projections} == {draft.float32_kernel}
+    assert draft.use_bfloat16(True) is False and "stay as they are" in caplog.text
+    engine.close()
+
+
 def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_says_so(
     feature_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
