@@ -84,6 +84,17 @@ bytes of a memory-bound product on any AVX2 CPU; a row's bits the same in any ca
 :data:`BFLOAT16`."""
 
 
+OURS = ("native", NATIVE_BF16)
+"""The kernels that are ead-llm's own (:mod:`ead_llm.core.kernels`): they run where it builds."""
+
+
+def runs_here(kernel: str) -> bool:
+    """Whether ``kernel`` can run on this machine: oneDNN's where torch has it, ours where it builds, BLAS anywhere."""
+    if kernel in ("onednn", BFLOAT16):
+        return ONEDNN is not None
+    return kernels.available() if kernel in OURS else True
+
+
 def draft_bfloat16_kernel() -> str | None:
     """The kernel a draft's bfloat16 products run on here: :data:`BFLOAT16` where the CPU has bfloat16 arithmetic,
     else :data:`NATIVE_BF16` where ead-llm's own kernel builds, else None."""
@@ -180,9 +191,7 @@ class Projection:
             return True
         if kernel not in (*KERNELS, BFLOAT16, NATIVE_BF16):
             raise ValueError(f"kernel must be one of {(*KERNELS, BFLOAT16, NATIVE_BF16)} or None, got {kernel!r}")
-        if (kernel in ("onednn", BFLOAT16) and ONEDNN is None) or (
-            kernel in ("native", NATIVE_BF16) and not kernels.available()
-        ):
+        if not runs_here(kernel):
             return False
         key = (kernel, tuple(self.weight.shape), self.bias is not None, torch.get_num_threads())
         if key in _AGREEMENT and not _takes(kernel, _AGREEMENT[key]):  # refused before: nothing to pack or probe
@@ -194,7 +203,7 @@ class Projection:
                 packed = weight.t().contiguous()
             elif kernel == "onednn":
                 packed = ONEDNN[1](weight, PACK_ROWS)  # type: ignore[index]
-            elif kernel in ("native", NATIVE_BF16):
+            elif kernel in OURS:
                 packed = kernels.pack(weight, bfloat16=kernel == NATIVE_BF16)
             else:  # packed for one row: the layout whose bits did not change with the row count (PACK_ROWS' did)
                 packed = ONEDNN[1](weight.to(torch.bfloat16), 1)  # type: ignore[index]
@@ -235,7 +244,7 @@ class Projection:
             flat = x.reshape(-1, x.shape[-1])
             out = torch.mm(flat, self.packed) if self.bias is None else torch.addmm(self.bias, flat, self.packed)
             return out.view(*x.shape[:-1], out.shape[-1])
-        if self.kernel in ("native", NATIVE_BF16):
+        if self.kernel in OURS:
             return kernels.linear(x, self.packed, self.weight.shape[0], self.bias)
         assert ONEDNN is not None
         if self.kernel == BFLOAT16:
@@ -395,11 +404,7 @@ def candidates(prepared: list[Projection]) -> tuple[str, ...]:
     oneDNN only for projections that started on it (a model under :data:`PACK_MIN_BYTES` does not repay its fixed
     cost a call)."""
     start = prepared[0].kernel if prepared else None
-    return tuple(
-        k
-        for k in KERNELS
-        if (k != "onednn" or (start == "onednn" and ONEDNN is not None)) and (k != "native" or kernels.available())
-    )
+    return tuple(k for k in KERNELS if runs_here(k) and (k != "onednn" or start == "onednn"))
 
 
 def kernel_key(prepared: list[Projection]) -> str:

@@ -38,7 +38,8 @@ DISABLE = "EAD_LLM_NATIVE_KERNEL"
 """Set to ``0`` to keep the engine on torch's kernels."""
 
 VERSION = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:8]
-"""The kernel's source digest: a record of kernel choices names it, so a changed kernel is timed anew."""
+"""The kernel's source digest: the compiled library's name and a record of kernel choices carry it, so a changed
+kernel is built and timed anew."""
 
 _LOCK = threading.Lock()
 _LIBRARY: list[ctypes.CDLL | None] = []
@@ -69,8 +70,7 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler: ead-llm's own CPU kernel is not built, torch's run")
         return None
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join((VERSION, compiler, *FLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"rows-{digest}.so"
     try:
         if not target.exists():
