@@ -41,6 +41,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ead_llm.core import kernels
 from ead_llm.core.fused_draft import FusedDraft, reads_features
 from ead_llm.core.fused_llama import FusedLlama
 from ead_llm.core.fused_llama import supports as supports_fused
@@ -273,6 +274,20 @@ _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 @dataclass(frozen=True)
+class NativeQueries:
+    """The queries of a pass that ead-llm's own attention kernel runs over the cache where it lies
+    (:func:`ead_llm.core.kernels.attend`): every query past a row's prompt, each as a decode step at its position."""
+
+    index: torch.Tensor | None
+    """[N] their packed positions; None when they are every query of the pass, in order."""
+    tables: torch.Tensor
+    """Their rows' block tables, one after another (int64)."""
+    meta: torch.Tensor
+    """[N, 3] int64: where a query's row table starts in ``tables``, the positions it sees, a sibling's own slot or
+    -1."""
+
+
+@dataclass(frozen=True)
 class PackedBatch:
     """What :func:`paged_attention` needs for one pass: where to write, what each row attends to."""
 
@@ -296,6 +311,8 @@ class PackedBatch:
     write_span: slice | None = None
     """``write_slots`` as a range where they are consecutive (one row's decode token, a prompt in ordered blocks):
     written as a slice, without an indexed scatter."""
+    native: NativeQueries | None = None
+    """The queries ead-llm's own attention kernel runs (the others are in ``groups`` and ``alone``)."""
 
     @property
     def length(self) -> int:
@@ -311,9 +328,12 @@ class PackedBatch:
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
         layer = int(module.layer_idx)  # type: ignore[arg-type]
-        if not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
+        native = self.native
+        if native is not None and native.index is None:  # every query: the kernel's output as it is
+            return self._attend_native(layer, query[0].transpose(0, 1), native, scaling)[None]
+        if native is None and not self.groups and len(self.alone) == 1:  # one row: no copies, no scatter
             return self._attend_row(layer, self.alone[0], query, scaling).transpose(1, 2)
-        if len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:  # every query, in order
+        if native is None and len(self.groups) == 1 and self.groups[0].query_index is None and not self.alone:
             group = self.groups[0]
             _, heads, tokens, dim = query.shape
             entries, width = group.mask.shape[0], group.mask.shape[2]  # B entries of W consecutive tokens each
@@ -330,7 +350,19 @@ class PackedBatch:
             keys, values = self._keys(layer, index, group, group.query_index.shape[0])  # [B, Hkv, L, D]
             rows_q = q[group.query_index].transpose(1, 2)  # [B, H, W, D]
             out[group.query_index] = attention(rows_q, keys, values, group.mask, scaling).transpose(1, 2)
+        if native is not None:
+            assert native.index is not None
+            out[native.index] = self._attend_native(layer, q[native.index], native, scaling)
         return out.unsqueeze(0)
+
+    def _attend_native(
+        self, layer: int, query: torch.Tensor, native: NativeQueries, scaling: float | None
+    ) -> torch.Tensor:
+        """``[N, H, D]``: ead-llm's attention kernel over queries ``[N, H, D]`` where the cache holds their keys."""
+        keys, values = self.cache.keys[layer], self.cache.values[layer]
+        assert keys is not None and values is not None, "attention before any write"
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        return kernels.attend(query, keys, values, native.tables, native.meta, self.cache.block_size, scale)
 
     def _attend_row(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
@@ -568,6 +600,16 @@ class ModelRunner:
         self.exact_verification = False
         """Whether a row's tokens past a one-token decode each attend as a decode step would (:data:`AS_DECODE_MAX`);
         off, only one-token rows do."""
+        fused = self._fused is not None or self._draft is not None
+        self.native_attention = (
+            fused
+            and self.device.type == "cpu"
+            and all(p.dtype == torch.float32 for p in self.model.parameters())
+            and kernels.available()
+        )
+        """Whether every query past a row's prompt runs through ead-llm's own attention kernel, as a decode step at
+        its position, over the cache where it lies (:func:`ead_llm.core.kernels.attend`): where the kernel builds, for
+        the fused float32 models, whose layers hand it their queries (prompts keep torch's fused attention)."""
 
     @property
     def draft_bfloat16(self) -> bool:
@@ -727,6 +769,9 @@ class ModelRunner:
         counts: list[int] = []
         alone: list[RowAttention] = []
         gathered: dict[tuple[int, int, int], list[tuple[PassRow, Queries]]] = {}  # (padded length, width, owner)
+        native: list[int] = []  # packed index of each query the attention kernel runs
+        meta: list[int] = []  # its row table's offset in tables, positions seen, own slot (NativeQueries.meta)
+        tables: list[int] = []
         ends = [0] * len(rows)  # packed end of each row's own tokens, in rows order
         siblings = [0] * len(rows)  # siblings read for each row, in rows order
         at = 0
@@ -760,9 +805,18 @@ class ModelRunner:
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
                 slots.extend(self.cache.slots(blocks, range(end, end + extra)))
+            table = -1
             for unit in self._plan(row, at, count, extra):
                 if isinstance(unit, RowAttention):
                     alone.append(unit)
+                elif self.native_attention:  # each query as a decode step, over the row's table
+                    if table < 0:
+                        table = len(tables)
+                        tables.extend(blocks)
+                    for j in range(unit.width):  # (a sibling's own keys stand in for its draft's position)
+                        native.append(unit.index + j)
+                        own = -1 if unit.own is None else unit.own
+                        meta.extend((table, unit.end + j - (own >= 0), own))
                 elif unit.end >= VIEW_MIN:  # (one query: rows of several that long attend together, in pieces)
                     pieces = self._pieces(blocks, unit.end, unit.own)
                     alone.append(RowAttention(slice(unit.index, unit.index + 1), pieces, None))
@@ -785,6 +839,13 @@ class ModelRunner:
             starts=tuple(row.kv.length for row in ordered),
             blocks=tuple(row.kv.blocks for row in ordered),
             alone=tuple(alone),
+            native=None
+            if not native
+            else NativeQueries(
+                index=None if len(native) == len(ids) else upload(native, torch.long, self.device),
+                tables=upload(tables, torch.long, self.device),
+                meta=upload(meta, torch.long, self.device),
+            ),
         )
         if not multi_rows:  # a decode pass: one read per row (1 <= read <= new, checked above)
             keep = [end - 1 for end in ends]
@@ -812,7 +873,8 @@ class ModelRunner:
                 head = count - (drafts if exact and 0 < drafts <= AS_DECODE_MAX else 0)
             prompt = RowAttention(slice(offset, offset + head), None, None)
             return [prompt, *(Queries(offset + j, j + 1) for j in range(head, count))]
-        if count + extra == 1 or (exact and (count + extra <= AS_DECODE_MAX or start >= row.prompt > 0)):
+        as_decode = exact and (count + extra <= AS_DECODE_MAX or start >= row.prompt > 0)
+        if count + extra == 1 or as_decode or self.native_attention:
             queries: list[RowAttention | Queries] = [Queries(offset + j, start + j + 1) for j in range(count)]
             if extra:  # sibling d at draft d's position, its keys at slot end + d
                 slots = self.cache.slots(row.kv.blocks, range(end, end + extra))

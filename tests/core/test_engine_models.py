@@ -170,17 +170,22 @@ def test_characters_outside_the_vocabulary_are_named_in_a_warning() -> None:
         llm.invoke("4821+3907-1568\n")  # every character known: no warning
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "own-attention"])
 def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
-    llama_pair: ModelPair, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
+    llama_pair: ModelPair, native: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
     """Four long prompts decoded together: their prefills attend over the pass's own keys, and the scheduler keeps
     room after each row's blocks, so every later step reads each row's history where it lies (no row is ever
-    copied into a batch); each still gives generate()'s tokens. (Rows count as long from 128 positions here: the
-    tiny pair's context is 512.)"""
-    from ead_llm.core import model_runner
+    copied into a batch: over views with torch's attention, through its block table with ead-llm's own); each still
+    gives generate()'s tokens. (Rows count as long from 128 positions here: the tiny pair's context is 512.)"""
+    from ead_llm.core import kernels, model_runner
 
     monkeypatch.setattr(model_runner, "VIEW_MIN", 128)
+    if native and not kernels.available():
+        pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
     engine = Engine(llama_pair)
+    for runner in engine.runners.values():
+        runner.native_attention = native
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(4, llama_pair.vocab_size, (150 + 7 * i,), generator=gen).tolist() for i in range(4)]
     done = engine.generate([Request(p, LargeOnly(), SamplingParams(max_tokens=40)) for p in prompts])
@@ -190,6 +195,11 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
     assert not any(batch.groups for batch in packed)
     fresh = [u for u in units if u.pieces is None]
     views = [u for u in units if u.pieces is not None]
+    if native:
+        assert len(fresh) == len(units) == 4 and sum(batch.native is not None for batch in packed) >= 5
+        assert all(len(batch.native.meta) == 4 * 3 for batch in packed if batch.native is not None)  # 4 rows each
+        engine.close()
+        return
     assert len(fresh) == 4 and len(views) == len(units) - 4 >= 4 * 5
     assert all(isinstance(piece, slice) for u in views for piece in u.pieces)  # no copies
     engine.close()

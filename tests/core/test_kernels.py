@@ -138,3 +138,150 @@ def test_processes_building_it_at_once_each_load_a_whole_library(tmp_path: Path)
     assert all(run.returncode == 0 for run in runs)
     assert len(digests) == 1 and len(next(iter(digests))) == 64
     assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("out_features", "in_features"), [(48, 40), (100, 130), (17, 3)])
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32", "bfloat16-weights"])
+def test_the_fused_projection_gives_a_layers_values_and_a_rows_bits_in_any_call(
+    out_features: int, in_features: int, bfloat16: bool
+) -> None:
+    """A projection with its norm, with silu(gate) * up, with the residual added and with the rotary turn in the
+    kernel's call: transformers' values to rounding, and every row of a 130-row call the bits it gets alone or in
+    any slice (rows past a block of 64 included). A NaN stays in its own row."""
+    gen = torch.Generator().manual_seed(out_features + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    bias = torch.randn(out_features, generator=gen)
+    reference = weight.bfloat16().float() if bfloat16 else weight
+    packed = kernels.pack(weight, bfloat16=bfloat16)
+    norm = (torch.rand(in_features, generator=gen) + 0.5, 1e-5)
+    x = torch.randn(130, in_features, generator=gen) * 3
+    gate_up = torch.randn(130, 2 * in_features, generator=gen) * 4
+    residual = torch.randn(130, out_features, generator=gen)
+    x[6, 0] = float("nan")
+    dim = 8
+    heads = out_features // dim // 2
+    angles = torch.rand(130, dim // 2, generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1)
+    sin = torch.cat((-angles.sin(), angles.sin()), dim=-1)  # signed: the first half negated
+
+    def turned(y: torch.Tensor, rows: slice) -> torch.Tensor:
+        y = y.clone()
+        part = y[:, : heads * dim].view(-1, heads, dim)
+        rolled = part.roll(dim // 2, -1)
+        y[:, : heads * dim] = (part * cos[rows, None] + rolled * sin[rows, None]).reshape(-1, heads * dim)
+        return y
+
+    every = slice(0, 130)
+    gated = F.silu(gate_up[:, :in_features]) * gate_up[:, in_features:]
+    normed = F.linear(_rms_norm(x, *norm), reference, bias)
+    cases = {
+        "norm": (x, {"norm": norm}, normed),
+        "gated": (gate_up, {"gated": True}, F.linear(gated, reference, bias)),
+        "residual": (x, {"residual": residual}, residual + F.linear(x, reference, bias)),
+        "rotary": (x, {"norm": norm, "rotary": (cos, sin, heads)}, turned(normed, every)),
+    }
+    for name, (inputs, options, want) in cases.items():
+        whole = kernels.fused(inputs, packed, out_features, bias, **options)
+        if name != "gated":  # a NaN in row 6's input: that row only (all of it where the norm sums it in)
+            assert whole[6].isnan().all() if "norm" in options else whole[6].isnan().any()
+            assert not torch.cat((whole[:6], whole[7:])).isnan().any()
+        torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-4, equal_nan=True, msg=name)
+        whole = kernels.fused(inputs, packed, out_features, bias, **options)
+        for start, stop in [(0, 1), (7, 8), (2, 9), (60, 70), (129, 130), (5, 69)]:
+            part = dict(options)
+            if "residual" in part:
+                part["residual"] = residual[start:stop]
+            if "rotary" in part:
+                part["rotary"] = (cos[start:stop], sin[start:stop], heads)
+            got = kernels.fused(inputs[start:stop], packed, out_features, bias, **part)
+            assert same_bits(got, whole[start:stop]), (name, start, stop)
+
+
+@needs_kernel
+def test_the_fused_projection_turns_heads_torch_turns_them_to_the_bit() -> None:
+    """The rotary turn in the kernel is torch's elementwise form, product by product: the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(64, 32, generator=gen)
+    x = torch.randn(5, 32, generator=gen)
+    packed = kernels.pack(weight)
+    cos, sin = torch.randn(5, 16, generator=gen), torch.randn(5, 16, generator=gen)
+    plain = kernels.linear(x, packed, 64, None).view(5, 4, 16)
+    want = plain * cos[:, None] + plain.roll(8, -1) * sin[:, None]
+    got = kernels.fused(x, packed, 64, None, rotary=(cos, sin, 4)).view(5, 4, 16)
+    assert same_bits(got, want)
+    with pytest.raises(ValueError, match="even width"):
+        kernels.fused(x, packed, 64, None, rotary=(cos[:, :15], sin[:, :15], 4))
+
+
+def _attention_reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: list[int]
+) -> torch.Tensor:
+    """Plain attention of one token's heads ``[H, D]`` over ``slots`` of a layer's ``[Hkv, capacity, D]``."""
+    group = query.shape[0] // keys.shape[0]
+    k = keys[:, slots].double().repeat_interleave(group, dim=0)  # [H, L, D]
+    v = values[:, slots].double().repeat_interleave(group, dim=0)
+    weights = (query.double()[:, None] @ k.transpose(-1, -2) / query.shape[-1] ** 0.5).softmax(dim=-1)
+    return (weights @ v)[:, 0].float()
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 12)])
+def test_the_attention_kernel_reads_each_query_over_its_own_table_and_nothing_else(
+    heads: int, kv_heads: int, dim: int
+) -> None:
+    """Queries of rows whose blocks lie scattered, one with a sibling's own slot after its positions, read where a
+    cache stores them: plain attention's values, with every slot no query owns poisoned with NaN; each query's bits
+    are the same alone as beside the others, and a query with strides (a view of a layer's q/k/v output) reads as
+    a copy does."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    block, capacity = 4, 96
+    keys = torch.full((kv_heads, capacity, dim), float("nan"))
+    values = torch.full((kv_heads, capacity, dim), float("nan"))
+    tables = [[7, 2, 9, 0, 20], [5, 6, 1], [11]]
+    seen = [19, 10, 3]  # positions each row's query sees
+    own = [-1, 3 * block + 2, -1]  # row 1 is a sibling: its own keys at a slot of block 3
+    rows_slots = []
+    for table, n, extra in zip(tables, seen, own, strict=True):
+        slots = [table[p // block] * block + p % block for p in range(n)] + ([extra] if extra >= 0 else [])
+        rows_slots.append(slots)
+        for slot in slots:
+            keys[:, slot] = torch.randn(kv_heads, dim, generator=gen)
+            values[:, slot] = torch.randn(kv_heads, dim, generator=gen)
+    flat, meta = [], []
+    for table, n, extra in zip(tables, seen, own, strict=True):
+        meta.extend((len(flat), n, extra))
+        flat.extend(table)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen)
+    query = qkv[:, : heads * dim].view(3, heads, dim)  # strided over tokens
+    flat_t, meta_t = torch.tensor(flat), torch.tensor(meta).view(3, 3)
+    together = kernels.attend(query, keys, values, flat_t, meta_t, block, dim**-0.5)
+    assert together.shape == (3, heads, dim) and not together.isnan().any()
+    for t in range(3):
+        want = _attention_reference(query[t], keys, values, rows_slots[t])
+        torch.testing.assert_close(together[t], want, rtol=1e-5, atol=1e-5)
+        alone = kernels.attend(query[t : t + 1].contiguous(), keys, values, flat_t, meta_t[t : t + 1], block, dim**-0.5)
+        assert same_bits(alone, together[t : t + 1])
+
+
+@needs_kernel
+def test_the_attention_kernel_refuses_a_table_past_the_storage_and_reads_nothing() -> None:
+    """A block table naming a slot past the layer's storage (as a cache cleared under a running pass would leave
+    it), or a query whose table runs past the tables given, raises instead of reading outside the storage."""
+    keys = values = torch.zeros(2, 16, 8)
+    query = torch.zeros(1, 2, 8)
+    good = kernels.attend(query, keys, values, torch.tensor([3]), torch.tensor([[0, 4, -1]]), 4, 1.0)
+    assert good.shape == (1, 2, 8)
+    bad = (([4], [0, 4, -1]), ([1], [0, 5, -1]), ([1], [0, 3, 16]), ([1], [1, 2, -1]), ([1], [-1, 2, -1]))
+    for tables, meta in bad:
+        with pytest.raises(RuntimeError, match="runs past"):
+            kernels.attend(query, keys, values, torch.tensor(tables), torch.tensor([meta]), 4, 1.0)
+    weight = kernels.pack(torch.zeros(8, 8))
+    with pytest.raises(ValueError, match="residual"):
+        kernels.fused(torch.zeros(2, 8), weight, 8, None, residual=torch.zeros(3, 8))
+    with pytest.raises(ValueError, match="cos and sin"):
+        kernels.fused(torch.zeros(2, 8), weight, 8, None, rotary=(torch.zeros(1, 8), torch.zeros(1, 8), 1))

@@ -7,31 +7,46 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from ead_llm.core import model_runner
+from ead_llm.core import kernels, model_runner
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
 from ead_llm.core.model_runner import ModelRunner, PackedBatch, PassRow
 from ead_llm.core.types import Role
 
+NATIVE = pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "own-attention"])
+"""Run a test over torch's attention paths and over ead-llm's own attention kernel."""
 
-def _runner(pair: ModelPair) -> ModelRunner:
+
+def _runner(pair: ModelPair, *, native: bool = False, block_size: int = 4) -> ModelRunner:
+    """A runner of ``pair``'s large model; ``native``: its queries past the prompts through ead-llm's own attention
+    kernel (torch's paths otherwise, which most tests here look into)."""
     loaded = pair.model(Role.LARGE)
-    return ModelRunner(
-        loaded, pair.device, pair.vocab_size, KVCache(loaded.model.config.num_hidden_layers, block_size=4)
+    runner = ModelRunner(
+        loaded, pair.device, pair.vocab_size, KVCache(loaded.model.config.num_hidden_layers, block_size=block_size)
     )
+    if native and not kernels.available():
+        pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
+    assert runner.native_attention == (kernels.available() and runner._fused is not None)
+    runner.native_attention = native
+    return runner
 
 
 @torch.inference_mode()
 @pytest.mark.parametrize("as_decode", [True, False], ids=["as-decode-steps", "together"])
-@pytest.mark.parametrize("in_place", [True, False], ids=["views", "gathers"])
+@pytest.mark.parametrize("path", ["views", "gathers", "native"])
 def test_packed_passes_match_the_models_own_logits(
-    pair: ModelPair, in_place: bool, as_decode: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
+    pair: ModelPair, path: str, as_decode: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
-    """Queries attended alone over views of their rows' blocks (every row here, with room kept after each) and
-    queries batched by padded length give the model's own logits; so do prefills over the pass's own keys, and rows
-    whose new tokens attend together (without exact verification, every row feeding several)."""
+    """Queries attended alone over views of their rows' blocks (every row here, with room kept after each),
+    queries batched by padded length, and queries run by ead-llm's own attention kernel where the cache holds their
+    keys give the model's own logits; so do prefills over the pass's own keys, and rows whose new tokens attend
+    together (without exact verification, every row feeding several)."""
+    in_place = path == "views"
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
-    runner = _runner(pair)
+    if path == "native" and pair.model(Role.LARGE).model.config.model_type != "llama":
+        assert not _runner(pair).native_attention  # transformers' modules: torch's attention
+        return
+    runner = _runner(pair, native=path == "native")
     runner.exact_verification = as_decode
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (7, 13, 3, 21)]
@@ -60,6 +75,10 @@ def test_packed_passes_match_the_models_own_logits(
     read = [unit for unit in alone if unit.pieces is not None]
     batched = sum(len(group.mask) for batch in packed for group in batch.groups)
     assert fresh == len(seqs)  # the first pass: no history to read
+    if path == "native":  # every query past the prompts, whether or not verification is exact
+        assert not read and not batched
+        assert sum(len(batch.native.meta) for batch in packed if batch.native is not None) > 40
+        return
     together = [unit for unit in read if unit.mask is not None]  # a row's new tokens alone, under one mask
     wide = [group for batch in packed for group in batch.groups if group.mask.shape[2] > 1]  # ... or in a group
     if not as_decode:
@@ -73,12 +92,15 @@ def test_packed_passes_match_the_models_own_logits(
 
 
 @torch.inference_mode()
-def test_a_gathered_row_reads_only_its_own_slots(pair: ModelPair) -> None:
+@NATIVE
+def test_a_gathered_row_reads_only_its_own_slots(pair: ModelPair, native: bool) -> None:
     """Short rows copied into one batched call read nothing of the cache but their own positions: with every
     other slot poisoned (NaN, as a broken neighbour or uninitialised storage would leave it), including the
     rest of their own last block and the blocks a shorter row's table is padded to, their logits are the
-    model's own."""
-    runner = _runner(pair)
+    model's own. So are those of rows ead-llm's own attention kernel reads where they lie."""
+    if native and pair.model(Role.LARGE).model.config.model_type != "llama":
+        return  # (above: such a model never takes the kernel)
+    runner = _runner(pair, native=native)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(4, pair.vocab_size, (n,), generator=gen).tolist() for n in (5, 14, 9)]
     want = [runner.model(input_ids=torch.tensor([s])).logits[0, -1, : pair.vocab_size].float() for s in seqs]
@@ -147,15 +169,16 @@ def test_a_rows_history_is_cut_at_fixed_positions(monkeypatch: pytest.MonkeyPatc
 
 @torch.inference_mode()
 @pytest.mark.parametrize("split", [512, 16], ids=["one-piece", "pieces-of-16"])
+@NATIVE
 def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
-    llama_pair: ModelPair, split: int, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
+    llama_pair: ModelPair, split: int, native: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
     """A row whose blocks lie in several stretches (as a prompt that took cached blocks does) gives the model's own
     logits, one token at a time and three at a time, and the same bits as the same row in blocks in order: its
     pieces are cut at the same positions, read over views where they lie in order, copied where not."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0)  # decode rows alone too, as long rows are
     monkeypatch.setattr(model_runner, "SPLIT", split)
-    runner = _runner(llama_pair)
+    runner = _runner(llama_pair, native=native)
     holder = SequenceKV()
     runner.cache.reserve(holder, 48)  # 12 blocks of 4, then handed out in three stretches
     held = holder.blocks
@@ -174,6 +197,9 @@ def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
         assert torch.allclose(got[0], want[end - got[0].shape[0] : end], atol=1e-4)
         assert torch.equal(got[0], got[1])
     assert packed[0].alone[0].pieces is None  # the prefill attends over its own keys
+    if native:  # every later query through the kernel, over the cache where it lies
+        assert all(batch.native is not None and not batch.alone and not batch.groups for batch in packed[2:])
+        return
     copied = [p for batch in packed[2::2] for u in batch.alone for p in u.pieces or () if isinstance(p, torch.Tensor)]
     assert copied and all(isinstance(p, slice) for batch in packed[3::2] for u in batch.alone for p in u.pieces or ())
 
@@ -221,26 +247,21 @@ def test_a_pass_writes_its_slots_as_a_range_only_where_they_are_consecutive() ->
 
 @torch.inference_mode()
 @pytest.mark.parametrize("view_min", [512, 100], ids=["short-rows", "some-rows-alone"])
+@NATIVE
 def test_a_rows_decode_logits_are_the_same_alone_and_beside_other_rows(
-    llama_pair: ModelPair, view_min: int, monkeypatch: pytest.MonkeyPatch
+    llama_pair: ModelPair, view_min: int, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows of several lengths (in several padded lengths, some past VIEW_MIN) prefilled together, then one decode
     pass (1 and 4 positions read): each row's logits are the bits it gets when it runs the same two passes alone,
     where its blocks lie elsewhere."""
     monkeypatch.setattr(model_runner, "VIEW_MIN", view_min)
     monkeypatch.setattr(model_runner, "SPLIT", 64)
-    loaded = llama_pair.model(Role.LARGE)
     gen = torch.Generator().manual_seed(0)
     lengths = (5, 17, 30, 44, 9, 12, 30, 7, 45, 20, 127, 131, 200)
     rows = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
     def run(texts: list[list[int]], read: int) -> list[torch.Tensor]:
-        runner = ModelRunner(
-            loaded,
-            llama_pair.device,
-            llama_pair.vocab_size,
-            KVCache(loaded.model.config.num_hidden_layers, block_size=16),
-        )
+        runner = _runner(llama_pair, native=native, block_size=16)
         kvs = [SequenceKV() for _ in texts]
         for kv, text in zip(kvs, texts, strict=True):
             runner.cache.reserve(kv, len(text))
@@ -255,10 +276,13 @@ def test_a_rows_decode_logits_are_the_same_alone_and_beside_other_rows(
 
 
 @torch.inference_mode()
-def test_a_row_alone_reads_finite_numbers_past_its_end_whatever_its_blocks_held(llama_pair: ModelPair) -> None:
+@NATIVE
+def test_a_row_alone_reads_finite_numbers_past_its_end_whatever_its_blocks_held(
+    llama_pair: ModelPair, native: bool
+) -> None:
     """A row alone is read over a view padded to its last block's end (masked). Blocks a broken sequence left full
     of NaN are zeroed when handed out again, so the next holder's logits are the model's own."""
-    runner = _runner(llama_pair)
+    runner = _runner(llama_pair, native=native)
     broken = SequenceKV()
     runner.cache.reserve(broken, 64)
     runner.execute([PassRow(broken, list(range(4, 68)))])

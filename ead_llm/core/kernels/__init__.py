@@ -89,6 +89,13 @@ def _load() -> ctypes.CDLL | None:
     for linear in (library.ead_rows_linear, library.ead_rows_linear_bf16):
         linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer]
         linear.restype = None
+    for fused in (library.ead_rows_fused, library.ead_rows_fused_bf16):
+        fused.argtypes = [pointer, int64, int64, pointer, ctypes.c_float, int64, pointer, int64, pointer, pointer]
+        fused.argtypes += [pointer, pointer, pointer, int64, int64]
+        fused.restype = int64
+    library.ead_attend.argtypes = [pointer, int64, int64, int64, int64, int64, int64, pointer, pointer, int64, int64]
+    library.ead_attend.argtypes += [pointer, int64, pointer, ctypes.c_float, pointer]
+    library.ead_attend.restype = int64
     library.ead_rows_panel_width.restype = int64
     return library
 
@@ -101,7 +108,7 @@ def _build(compiler: str, target: Path) -> None:
     scratch = Path(name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(scratch)], check=True, capture_output=True, timeout=120
+            [compiler, *FLAGS, str(SOURCE), "-o", str(scratch), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(scratch, target)
     finally:
@@ -145,4 +152,124 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     if rows:
         bias_at = None if bias is None else bias.contiguous().data_ptr()
         run(x.data_ptr(), rows, k, packed.data_ptr(), out_features, bias_at, out.data_ptr())
+    return out
+
+
+ROTARY_MAX_DIM = 512
+"""The widest head :func:`fused` turns (the kernel's scratch for one head)."""
+
+
+def fused(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """:func:`linear` with the work around a decoder layer's projection in the same call: ``[rows, out]`` for ``x``
+    ``[rows, in]`` (contiguous float32).
+
+    ``norm`` (weight, eps): the rows are RMS-normalised first (transformers' ``LlamaRMSNorm``). ``gated``: ``x``'s
+    rows are ``[gate | up]`` (``2 * in`` wide) and the input is ``silu(gate) * up``. ``residual`` ``[rows, out]``: added
+    to the output (``residual + x @ weight.T + bias``). ``rotary`` (cos, sin with its first half negated, both
+    ``[rows, dim]``; heads): the first ``heads`` heads of ``dim`` outputs of each row turned as transformers' rotary
+    embedding turns them. Every row's operations depend on that row alone, as in :func:`linear`."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "pack() first"
+    run = library.ead_rows_fused_bf16 if packed.dtype == torch.int16 else library.ead_rows_fused
+    x = x.contiguous()
+    rows, width = x.shape
+    k = width // 2 if gated else width
+    if residual is not None:
+        if residual.shape != (rows, out_features):
+            raise ValueError(f"the residual must be [{rows}, {out_features}], got {list(residual.shape)}")
+        residual = residual.contiguous()
+    if norm is not None and norm[0].shape != (k,):
+        raise ValueError(f"the norm's weight must be [{k}], got {list(norm[0].shape)}")
+    out = torch.empty((rows, out_features), dtype=torch.float32)
+    if not rows:
+        return out
+    cos = sin = None
+    heads = dim = 0
+    if rotary is not None:
+        cos, sin, heads = rotary
+        cos, sin = cos.contiguous(), sin.contiguous()
+        dim = cos.shape[-1]
+        if dim > ROTARY_MAX_DIM or dim % 2:
+            raise ValueError(f"the kernel turns heads of an even width up to {ROTARY_MAX_DIM}, got {dim}")
+        if cos.shape != (rows, dim) or sin.shape != (rows, dim) or heads * dim > out_features:
+            raise ValueError(f"cos and sin must be [{rows}, {dim}] and turn at most {out_features // dim} heads")
+    status = run(
+        x.data_ptr(),
+        rows,
+        k,
+        None if norm is None else norm[0].contiguous().data_ptr(),
+        0.0 if norm is None else norm[1],
+        int(gated),
+        packed.data_ptr(),
+        out_features,
+        None if bias is None else bias.contiguous().data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        out.data_ptr(),
+        None if cos is None else cos.data_ptr(),
+        None if sin is None else sin.data_ptr(),
+        heads,
+        dim,
+    )
+    if status:
+        raise MemoryError(f"the kernel could not allocate its scratch for {rows} rows of {k}")
+    return out
+
+
+def attend(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    tables: torch.Tensor,
+    meta: torch.Tensor,
+    block: int,
+    scale: float,
+) -> torch.Tensor:
+    """Each query token's attention over its own row's keys where the paged cache holds them -> ``[N, H, D]``.
+
+    ``query`` ``[N, H, D]`` float32 (any strides over tokens and heads, each head's ``D`` values contiguous);
+    ``keys``, ``values``: one layer's storage ``[Hkv, capacity, D]`` (contiguous float32); ``tables``: the rows' block
+    tables one after another (int64); ``meta`` ``[N, 3]`` int64: where the token's row table starts in ``tables``, how
+    many positions it sees (``0..n-1``), and a slot it sees after them (a sibling's own keys) or -1. The token's
+    numbers depend on its query and its keys alone (see ``ead_attend`` in ``rows.c``)."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "the kernel is not available here"
+    tokens, heads, dim = query.shape
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    keys, values, tables, meta = (t.contiguous() for t in (keys, values, tables, meta))
+    out = torch.empty((tokens, heads, dim), dtype=torch.float32)
+    status = library.ead_attend(
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        tokens,
+        heads,
+        keys.shape[0],
+        dim,
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.shape[1],
+        block,
+        tables.data_ptr(),
+        tables.numel(),
+        meta.data_ptr(),
+        scale,
+        out.data_ptr(),
+    )
+    if status == -2:
+        raise RuntimeError(
+            f"a query's block table runs past the tables given or the cache's {keys.shape[1]} slots (nothing read)"
+        )
+    if status:
+        raise MemoryError(f"the attention kernel could not allocate its scratch for {tokens} queries")
     return out

@@ -11,6 +11,8 @@
  * which releases the GIL. */
 #include <immintrin.h>
 #include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define NR 16        /* outputs per panel: two AVX2 vectors, 64 bytes per input */
@@ -34,17 +36,83 @@ int64_t ead_rows_panel_width(void) { return NR; }
 PACK(ead_rows_pack, float)
 PACK(ead_rows_pack16, uint16_t)
 
-static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const float *bias) {
+static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const float *bias, const float *residual) {
     float tmp[NR];
     _mm256_storeu_ps(tmp, a0);
     _mm256_storeu_ps(tmp + 8, a1);
     if (bias)
         for (int64_t j = 0; j < cols; j++) tmp[j] += bias[j];
+    if (residual) /* a layer's residual stream: residual + (x . w + bias), as torch adds them */
+        for (int64_t j = 0; j < cols; j++) tmp[j] = residual[j] + tmp[j];
     memcpy(out, tmp, (size_t)cols * sizeof(float));
 }
 
+/* transformers' LlamaRMSNorm of one row: w * (x * (1 / sqrt(mean(x^2) + eps))). The squares are summed in eight lanes
+ * over the row in order, then the lanes in a fixed tree: the same bits for a row in any call. */
+static void rms_norm_row(const float *x, int64_t k, const float *w, float eps, float *y) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (; i < k; i++) sum += x[i] * x[i];
+    const float scale = 1.0f / sqrtf(sum / (float)k + eps);
+    for (int64_t j = 0; j < k; j++) y[j] = w[j] * (x[j] * scale);
+}
+
+/* exp(x) for eight floats: Cephes' range reduction and polynomial (about 1 ulp), the same bits on every AVX2 CPU. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(y, x), x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i pow2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2));
+}
+
+/* silu(gate) * up for one row [gate (k) | up (k)]: gate / (1 + exp(-gate)) * up, eight lanes at a time and the tail
+ * through the same lanes (padded), so every element takes the same operations. */
+static void silu_gate_row(const float *x, int64_t k, float *y) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t i = 0; i < k; i += 8) {
+        float g[8] = {0}, u[8] = {0}, r[8];
+        const int64_t count = k - i < 8 ? k - i : 8;
+        memcpy(g, x + i, (size_t)count * sizeof(float));
+        memcpy(u, x + k + i, (size_t)count * sizeof(float));
+        const __m256 gate = _mm256_loadu_ps(g);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+        _mm256_storeu_ps(r, _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, e)), _mm256_loadu_ps(u)));
+        memcpy(y + i, r, (size_t)count * sizeof(float));
+    }
+}
+
+/* rotary position embedding of a row's first heads, in place: x * cos + roll(x, dim / 2) * sin (sin's first half
+ * negated), each product rounded, then the sum: the bits of torch's elementwise form. */
+static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos, const float *sin) {
+    const int64_t half = dim / 2;
+    float tmp[512];
+    for (int64_t h = 0; h < heads; h++) {
+        float *x = row + h * dim;
+        memcpy(tmp, x, (size_t)dim * sizeof(float));
+        for (int64_t i = 0; i < dim; i++) x[i] = tmp[i] * cos[i] + tmp[i < half ? i + half : i - half] * sin[i];
+    }
+}
+
 #define ARGS(W)                                                                                                       \
-    const float *x, int64_t ldx, const W *w, int64_t k, float *out, int64_t ldo, int64_t cols, const float *bias
+    const float *x, int64_t ldx, const W *w, int64_t k, float *out, int64_t ldo, int64_t cols, const float *bias, \
+        const float *residual
 /* the accumulators are named, one pair per row, so they stay in registers */
 #define ACC(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
 #define LOAD                                                                                                          \
@@ -62,7 +130,7 @@ static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const f
         a##r##0 = _mm256_fmadd_ps(v, w0, a##r##0);                                                                    \
         a##r##1 = _mm256_fmadd_ps(v, w1, a##r##1);                                                                    \
     }
-#define STORE(r) store(out + (r) * ldo, a##r##0, a##r##1, cols, bias);
+#define STORE(r) store(out + (r) * ldo, a##r##0, a##r##1, cols, bias, residual ? residual + (r) * ldo : 0);
 #define REP1(M) M(0)
 #define REP2(M) REP1(M) M(1)
 #define REP3(M) REP2(M) M(2)
@@ -100,23 +168,157 @@ static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const f
     static const micro##NAME##_kernel FROM_CACHE##NAME[MR + 1] = {                                                    \
         0, micro1##NAME, micro2##NAME##_cached, micro3##NAME##_cached, micro4##NAME##_cached, micro5##NAME##_cached,  \
         micro6##NAME##_cached};                                                                                       \
+    /* one block of rows (x: [m][k]; residual and out: [m][n]) over every panel */                                 \
+    static void block##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,      \
+                            const float *residual, float *out) {                                                      \
+        int64_t panels = (n + NR - 1) / NR;                                                                           \
+        for (int64_t p = 0; p < panels; p++) {                                                                        \
+            const W *w = packed + p * k * NR;                                                                         \
+            int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                         \
+            const float *b = bias ? bias + p * NR : 0;                                                                \
+            for (int64_t r = 0; r < m; r += MR) {                                                                     \
+                int64_t rows = m - r < MR ? m - r : MR;                                                               \
+                (r == 0 ? FROM_MEMORY##NAME : FROM_CACHE##NAME)[rows](x + r * k, k, w, k, out + r * n + p * NR, n,    \
+                                                                       cols, b,                                       \
+                                                                       residual ? residual + r * n + p * NR : 0);     \
+            }                                                                                                         \
+        }                                                                                                             \
+    }                                                                                                                 \
     /* x: [m][k] contiguous; packed: the pack's layout of an [n][k] weight; bias: [n] or NULL; out: [m][n]. */       \
     void ead_rows_linear##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,  \
                                float *out) {                                                                          \
-        int64_t panels = (n + NR - 1) / NR;                                                                           \
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                                               \
-            int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;                                                     \
-            for (int64_t p = 0; p < panels; p++) {                                                                    \
-                const W *w = packed + p * k * NR;                                                                     \
-                int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                     \
-                const float *b = bias ? bias + p * NR : 0;                                                            \
-                for (int64_t r = r0; r < r1; r += MR) {                                                               \
-                    int64_t rows = r1 - r < MR ? r1 - r : MR;                                                         \
-                    (r == r0 ? FROM_MEMORY##NAME : FROM_CACHE##NAME)[rows](x + r * k, k, w, k, out + r * n + p * NR,  \
-                                                                            n, cols, b);                              \
-                }                                                                                                     \
-            }                                                                                                         \
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK)                                                                 \
+            block##NAME(x + r0 * k, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, k, packed, n, bias, 0, out + r0 * n);    \
+    }                                                                                                                 \
+    /* A projection with the work around it, block by block of rows (one call instead of a dozen small operations): \
+     * the input is x's rows RMS-normalised (norm: the norm's weight) or, with gated, x's rows [gate | up] of 2k    \
+     * as silu(gate) * up; residual ([m][n] or NULL) is added to the output; rotary (cos, sin: [m][dim], sin with  \
+     * its first half negated) turns the first rotary_heads heads of dim outputs of each row. Returns 0, or -1     \
+     * when it could not allocate its scratch (nothing written). */                                                  \
+    int64_t ead_rows_fused##NAME(const float *x, int64_t m, int64_t k, const float *norm, float eps, int64_t gated,  \
+                                 const W *packed, int64_t n, const float *bias, const float *residual, float *out,    \
+                                 const float *cos, const float *sin, int64_t rotary_heads, int64_t dim) {             \
+        float *scratch = 0;                                                                                           \
+        if (norm || gated) {                                                                                          \
+            scratch = (float *)malloc((size_t)(m < ROW_BLOCK ? m : ROW_BLOCK) * (size_t)k * sizeof(float));           \
+            if (!scratch) return -1;                                                                                  \
         }                                                                                                             \
+        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {                                                               \
+            int64_t rows = m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK;                                                   \
+            const float *in = x + r0 * k;                                                                             \
+            if (norm) {                                                                                               \
+                for (int64_t r = 0; r < rows; r++) rms_norm_row(x + (r0 + r) * k, k, norm, eps, scratch + r * k);     \
+                in = scratch;                                                                                         \
+            } else if (gated) {                                                                                       \
+                for (int64_t r = 0; r < rows; r++) silu_gate_row(x + (r0 + r) * 2 * k, k, scratch + r * k);          \
+                in = scratch;                                                                                         \
+            }                                                                                                         \
+            block##NAME(in, rows, k, packed, n, bias, residual ? residual + r0 * n : 0, out + r0 * n);                \
+            if (cos)                                                                                                  \
+                for (int64_t r = r0; r < r0 + rows; r++) rotate_row(out + r * n, rotary_heads, dim, cos + r * dim,     \
+                                                                    sin + r * dim);                                   \
+        }                                                                                                             \
+        free(scratch);                                                                                                \
+        return 0;                                                                                                     \
     }
 KERNELS(, float, LOAD)
 KERNELS(_bf16, uint16_t, LOAD_BF16)
+
+/* ---- attention where the paged cache holds the keys ---------------------------------------------------------- */
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* exp(x - shift) of n values in place (eight lanes at a time, the tail padded), and their sum in a fixed order */
+static float exp_shifted(float *x, int64_t n, float shift) {
+    const __m256 by = _mm256_set1_ps(shift);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        float v[8], r[8];
+        const int64_t count = n - i < 8 ? n - i : 8;
+        for (int64_t j = 0; j < 8; j++) v[j] = j < count ? x[i + j] : -INFINITY;
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v), by));
+        _mm256_storeu_ps(r, e);
+        for (int64_t j = count; j < 8; j++) r[j] = 0.0f; /* exp8 clamps, so -inf would not give 0 */
+        total = _mm256_add_ps(total, _mm256_loadu_ps(r));
+        memcpy(x + i, r, (size_t)count * sizeof(float));
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, total);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+/* Each query token's attention over its own row's keys, read where the paged cache holds them (no copy).
+ * q: token t, head h at q + t * q_token + h * q_head (dim floats); keys, values: one layer's storage [kv_heads]
+ * [capacity][dim]; meta [tokens][3]: the offset of the token's row table in tables, the positions it sees (0..n-1,
+ * slot table[p / block] * block + p % block), and a slot read after them (a sibling's own keys) or -1. out:
+ * [tokens][heads][dim]. Every token's numbers depend on its query and its keys alone, in a fixed order (the scores,
+ * their softmax, then the values summed in position order): the same bits in any pass, whatever else it holds, and
+ * a verified draft gets the bits its decode step would. Returns 0; -1 when the scratch could not be allocated; -2,
+ * reading nothing, when a query's table runs past the tables (table_count entries) or names a slot past the
+ * storage (a cache cleared under a pass): a bad table never reads outside the storage. */
+int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t tokens, int64_t heads, int64_t kv_heads,
+                   int64_t dim, const float *keys, const float *values, int64_t capacity, int64_t block,
+                   const int64_t *tables, int64_t table_count, const int64_t *meta, float scale, float *out) {
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t at = meta[3 * t], n = meta[3 * t + 1], own = meta[3 * t + 2];
+        if (at < 0 || n < 0 || own >= capacity || (n > 0 && at + (n - 1) / block >= table_count)) return -2;
+        for (int64_t b = 0; b * block < n; b++)
+            if (tables[at + b] < 0 || (tables[at + b] + 1) * block > capacity) return -2;
+    }
+    int64_t most = 1;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t count = meta[3 * t + 1] + (meta[3 * t + 2] >= 0);
+        most = count > most ? count : most;
+    }
+    float *scores = (float *)malloc((size_t)most * sizeof(float));
+    int64_t *slots = (int64_t *)malloc((size_t)most * sizeof(int64_t));
+    if (!scores || !slots) {
+        free(scores);
+        free(slots);
+        return -1;
+    }
+    const int64_t group = heads / kv_heads;
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t *table = tables + meta[3 * t];
+        const int64_t n = meta[3 * t + 1], own = meta[3 * t + 2];
+        const int64_t count = n + (own >= 0);
+        for (int64_t p = 0; p < n; p++) slots[p] = table[p / block] * block + p % block;
+        if (own >= 0) slots[n] = own;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *query = q + t * q_token + h * q_head;
+            const float *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
+            float best = -INFINITY;
+            for (int64_t j = 0; j < count; j++) {
+                const float s = dot(query, k + slots[j] * dim, dim) * scale;
+                scores[j] = s;
+                best = s > best ? s : best;
+            }
+            const float sum = exp_shifted(scores, count, best);
+            float *o = out + (t * heads + h) * dim;
+            int64_t i = 0;
+            for (; i + 8 <= dim; i += 8) {
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = 0; j < count; j++)
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + slots[j] * dim + i), acc);
+                _mm256_storeu_ps(o + i, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
+            }
+            for (; i < dim; i++) {
+                float acc = 0.0f;
+                for (int64_t j = 0; j < count; j++) acc += scores[j] * v[slots[j] * dim + i];
+                o[i] = acc / sum;
+            }
+        }
+    }
+    free(scores);
+    free(slots);
+    return 0;
+}
