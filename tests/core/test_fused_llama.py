@@ -362,7 +362,7 @@ def test_the_kernel_is_timed_once_per_machine_and_kept_so_every_process_computes
     blas_allowed = Projection(torch.randn(96, 48), None, kernel="blas").kernel == "blas"
     monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("blas"))
     first = _onednn_projections(1)
-    want = "blas" if blas_allowed else "onednn"
+    want = "blas" if blas_allowed else "native" if kernels.available() else "onednn"  # ours wins a tie
     assert choose_kernel(first) == want and all(p.kernel == want for p in first)
     record = json.loads(kernel_record().read_text())
     assert [entry["kernel"] for entry in record.values()] == [want]
@@ -572,6 +572,17 @@ def test_the_kernel_chosen_by_timing_hands_its_widths_to_the_tuning_without_timi
     projections = _onednn_projections(6)
     chosen = choose_kernel(projections)
     timed = len(calls)
-    assert timed == len(AVAILABLE) or chosen == "onednn"
+    assert chosen in calls  # (every kernel times alike here: ours where it builds, else oneDNN)
     assert tune_widths(projections) == choose_widths(seconds) and len(calls) == timed
     assert all(p.widths == choose_widths(seconds) for p in projections)
+
+
+def test_our_kernel_is_kept_unless_another_runs_the_products_clearly_faster() -> None:
+    """Ours also runs the layer's work around the products, which their timing does not count: another kernel is
+    taken only when its products cost at most OWN_MARGIN of ours (a choice timed beside other work chose BLAS at 19.7
+    against 20.8 ms and ran the embedded large model's decode forward 2.7x slower)."""
+    assert fused_llama.fastest({"blas": 19.7, "native": 20.8, "onednn": 33.2}, "blas") == "native"
+    assert fused_llama.fastest({"blas": 0.8 * 20.0, "native": 20.0}, "blas") == "blas"
+    assert fused_llama.fastest({"blas": 5.0, "native": 4.0}, "blas") == "native"
+    assert fused_llama.fastest({"blas": 5.0, "onednn": 4.0}, "onednn") == "onednn"  # ours absent: the cheapest
+    assert fused_llama.fastest({}, "onednn") == "onednn"
