@@ -392,7 +392,7 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
     the same bits) are not timed; a model whose prepared projections start on different kernels stays as it is."""
     prepared = [p for p in projections if p.packed is not None]
     start = prepared[0].kernel if prepared else None
-    if start not in KERNELS or any(p.kernel != start for p in prepared):
+    if start is None or start not in KERNELS or any(p.kernel != start for p in prepared):
         return projections[0].kernel if projections else None
     if candidates(prepared) == (start,):  # nothing to weigh it against
         return start
@@ -427,7 +427,7 @@ does not count (the embedded large model's decode forward: 1.03 ms on ours, 1.71
 whose products cost 0.47 of it)."""
 
 
-def fastest(costs: dict[str, float], start: str | None) -> str | None:
+def fastest(costs: dict[str, float], start: str) -> str:
     """The kernel :func:`choose_kernel` takes from the timed ``costs``: the cheapest, ours unless another beats it by
     :data:`OWN_MARGIN` (``start`` when nothing was timed)."""
     if not costs:

@@ -805,6 +805,13 @@ class ModelRunner:
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
                 slots.extend(self.cache.slots(blocks, range(end, end + extra)))
+            if count == 1 and start and self.native_attention:  # a decode row (no siblings: they are a count's)
+                native.append(at)
+                meta.extend((len(tables), end, -1))
+                tables.extend(blocks)
+                ends[i], siblings[i] = at + 1, 0
+                at += 1
+                continue
             table = -1
             for unit in self._plan(row, at, count, extra):
                 if isinstance(unit, RowAttention):
