@@ -865,7 +865,8 @@ class ModelRunner:
     def _plan(self, row: PassRow, offset: int, count: int, extra: int) -> list[RowAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
         attended: a prompt over the pass's own keys (causal); each as a decode step at its position: a decode step's
-        token, and under :attr:`exact_verification` every token past the prompt (:attr:`PassRow.prompt`) and up to
+        token, every token after a history with its siblings under :attr:`native_attention`, and under
+        :attr:`exact_verification` every token past the prompt (:attr:`PassRow.prompt`) and up to
         :data:`AS_DECODE_MAX` tokens after a history (or drafts after a prompt) with their siblings; else a short
         row's several tokens together (grouped), a long row's, or a row's with siblings, together over its history
         in pieces of :data:`SPLIT` positions."""
