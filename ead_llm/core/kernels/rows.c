@@ -47,6 +47,13 @@ static inline void store(float *out, __m256 a0, __m256 a1, int64_t cols, const f
     memcpy(out, tmp, (size_t)cols * sizeof(float));
 }
 
+/* the eight lanes of v added in a fixed tree: a sum whose order depends on nothing but the lanes */
+static inline float lanes_sum(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
 /* transformers' LlamaRMSNorm of one row: w * (x * (1 / sqrt(mean(x^2) + eps))). The squares are summed in eight lanes
  * over the row in order, then the lanes in a fixed tree: the same bits for a row in any call. */
 static void rms_norm_row(const float *x, int64_t k, const float *w, float eps, float *y) {
@@ -56,9 +63,7 @@ static void rms_norm_row(const float *x, int64_t k, const float *w, float eps, f
         const __m256 v = _mm256_loadu_ps(x + i);
         acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    float sum = lanes_sum(acc);
     for (; i < k; i++) sum += x[i] * x[i];
     const float scale = 1.0f / sqrtf(sum / (float)k + eps);
     for (int64_t j = 0; j < k; j++) y[j] = w[j] * (x[j] * scale);
@@ -230,9 +235,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    float sum = lanes_sum(acc);
     for (; i < n; i++) sum += a[i] * b[i];
     return sum;
 }
@@ -251,9 +254,7 @@ static float exp_shifted(float *x, int64_t n, float shift) {
         total = _mm256_add_ps(total, _mm256_loadu_ps(r));
         memcpy(x + i, r, (size_t)count * sizeof(float));
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, total);
-    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    return lanes_sum(total);
 }
 
 /* Each query token's attention over its own row's keys, read where the paged cache holds them (no copy).
