@@ -670,18 +670,21 @@ class FusedLayer:
             return self._fused(hidden, cos, sin, batch)
         tokens = hidden.shape[1]
         x = rms_norm(hidden, *self.input_norm)
-        qkv = self.qkv(x)
-        # rotary on q and k together: each head's positions are rotated alike
-        qk = qkv[..., : self.qk_width].view(1, tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
-        qk = rotary(qk, cos, sin)  # [1, H + Hkv, T, D]
+        qk, v = self._heads(self.qkv(x))
+        qk = rotary(qk, cos, sin)  # on q and k together: each head's positions are rotated alike
         q, k = qk[:, : self.heads], qk[:, self.heads :]
-        v = qkv[..., self.qk_width :].view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)  # [1, Hkv, T, D]
         batch.write(self.index, k, v)
         attended = batch.attend(self.attention, q, self.scaling)  # [1, T, H, D]
         hidden = hidden + self.o(attended.reshape(1, tokens, -1).contiguous())
         x = rms_norm(hidden, *self.post_norm)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return hidden + self.down(F.silu(gate) * up)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k ``[1, H + Hkv, T, D]`` and v ``[1, Hkv, T, D]``: views of the qkv projection's ``[1, T, qkv]``."""
+        tokens = qkv.shape[1]
+        qk = qkv[..., : self.qk_width].view(1, tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        return qk, qkv[..., self.qk_width :].view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
 
     def _fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """:meth:`__call__` with everything but the attention in the kernel: the norm, the rotary turn and the
@@ -691,10 +694,8 @@ class FusedLayer:
         tokens = hidden.shape[1]
         flat = hidden[0]
         turn = (cos[0, 0].contiguous(), sin[0, 0].contiguous(), self.heads + self.kv_heads)
-        qkv = self.qkv.fused(flat, norm=self.input_norm, rotary=turn)[None]  # [1, T, qkv], q and k turned
-        qk = qkv[..., : self.qk_width].view(1, tokens, self.heads + self.kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = self._heads(self.qkv.fused(flat, norm=self.input_norm, rotary=turn)[None])  # q and k turned
         q, k = qk[:, : self.heads], qk[:, self.heads :]
-        v = qkv[..., self.qk_width :].view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
         batch.write(self.index, k, v)
         attended = batch.attend(self.attention, q, self.scaling).reshape(tokens, -1).contiguous()  # [T, H * D]
         flat = self.o.fused(attended, residual=flat)
