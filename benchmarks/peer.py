@@ -8,7 +8,8 @@ both sides unless ``--threads`` says otherwise.
     ``generate()``, and our ``SpeculativeDecoding`` (gamma 4, and adaptive) against assisted
     generation, ``generate(assistant_model=small)``; the greedy texts must agree. Once at the engine
     (``Engine.generate`` against ``generate(ids)``), once as users call each (``EntropyAdaptiveLLM.invoke``
-    against ``tokenizer(...)`` then ``generate(**inputs)``).
+    against ``tokenizer(...)`` then ``generate(**inputs)``). The sides take turns prompt by prompt, so a drift of
+    the machine's speed falls on all of them alike.
 (b) a random Llama pair with Qwen2.5's 151,936-token vocabulary, 16 requests in one call, sampled
     (temperature 0.8, top-p 0.9): our ``LargeOnly`` against ``generate()`` on the padded batch.
 (c) the share of step time spent outside the models' forward passes at batch 64 (embedded pair
@@ -34,7 +35,7 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -81,6 +82,18 @@ def timed(fn: Callable[[], int]) -> tuple[float, int]:
     return time.perf_counter() - start, tokens
 
 
+def interleaved(sides: Mapping[str, Callable[[str], object]], prompts: list[str]) -> dict[str, float]:
+    """Seconds each side takes over ``prompts``, the sides taking turns prompt by prompt, so that a drift of the
+    machine's speed during the run (this CPU's wanders by up to 1.5x) falls on every side alike."""
+    seconds = dict.fromkeys(sides, 0.0)
+    for prompt in prompts:
+        for name, side in sides.items():
+            start = time.perf_counter()
+            side(prompt)
+            seconds[name] += time.perf_counter() - start
+    return seconds
+
+
 # -- (a) --------------------------------------------------------------------------------------------
 
 
@@ -90,56 +103,50 @@ def embedded_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[st
     hf_large = AutoModelForCausalLM.from_pretrained(large_dir).eval()  # their own copies, untouched by ours
     hf_small = AutoModelForCausalLM.from_pretrained(small_dir).eval()
     tokenizer = engine.tokenizer
-    inputs = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    inputs = {p: tokenizer(p, return_tensors="pt").input_ids for p in prompts}
 
-    def ours(policy: Policy) -> Callable[[], int]:
-        def run() -> int:
-            params = SamplingParams(max_tokens=max_tokens)
-            return sum(len(engine.generate([Request(p, policy, params)])[0].token_ids) for p in prompts)
+    def ours(policy: Policy) -> Callable[[str], int]:
+        def run(prompt: str) -> int:
+            return len(engine.generate([Request(prompt, policy, SamplingParams(max_tokens=max_tokens))])[0].token_ids)
 
         return run
 
-    def theirs(assistant: Any = None) -> Callable[[], int]:
-        def run() -> int:
-            total = 0
+    def theirs(assistant: Any = None) -> Callable[[str], int]:
+        def run(prompt: str) -> int:
+            ids = inputs[prompt]
             with torch.inference_mode():
-                for ids in inputs:
-                    out = hf_large.generate(
-                        ids,
-                        max_new_tokens=max_tokens,
-                        do_sample=False,
-                        assistant_model=assistant,
-                        pad_token_id=tokenizer.pad_token_id,
-                    )
-                    total += out.shape[1] - ids.shape[1]
-            return total
+                out = hf_large.generate(
+                    ids,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    assistant_model=assistant,
+                    pad_token_id=tokenizer.pad_token_id,
+                )
+            return out.shape[1] - ids.shape[1]
 
         return run
 
     agree = 0
     with torch.inference_mode():
-        for prompt, ids in zip(prompts, inputs, strict=True):
+        for prompt, ids in inputs.items():
             mine = engine.generate([Request(prompt, LargeOnly(), SamplingParams(max_tokens=max_tokens))])[0]
             out = hf_large.generate(
                 ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
             )
             agree += list(mine.token_ids) == out[0, ids.shape[1] :].tolist()
-    runs: dict[str, list[float]] = {k: [] for k in ("large_only", "speculative", "speculative_adaptive")}
-    rates: dict[str, list[float]] = {
-        k: [] for k in ("ours_large", "hf_large", "ours_spec", "ours_adaptive", "hf_assisted")
+    sides = {
+        "ours_large": ours(LargeOnly()),
+        "hf_large": theirs(),
+        "ours_spec": ours(SpeculativeDecoding(gamma=4)),
+        "ours_adaptive": ours(SpeculativeDecoding(gamma=4, adaptive_gamma=True)),
+        "hf_assisted": theirs(hf_small),
     }
+    tokens = {name: sum(side(p) for p in prompts) for name, side in sides.items()}
+    runs: dict[str, list[float]] = {k: [] for k in ("large_only", "speculative", "speculative_adaptive")}
+    rates: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(repeats):
-        ours_large, hf_plain = timed(ours(LargeOnly())), timed(theirs())
-        ours_spec = timed(ours(SpeculativeDecoding(gamma=4)))
-        ours_adaptive = timed(ours(SpeculativeDecoding(gamma=4, adaptive_gamma=True)))
-        hf_assisted = timed(theirs(hf_small))
-        per_s = {
-            "ours_large": ours_large[1] / ours_large[0],
-            "hf_large": hf_plain[1] / hf_plain[0],
-            "ours_spec": ours_spec[1] / ours_spec[0],
-            "ours_adaptive": ours_adaptive[1] / ours_adaptive[0],
-            "hf_assisted": hf_assisted[1] / hf_assisted[0],
-        }
+        seconds = interleaved(sides, prompts)
+        per_s = {name: tokens[name] / seconds[name] for name in sides}
         for key, value in per_s.items():
             rates[key].append(value)
         runs["large_only"].append(per_s["ours_large"] / per_s["hf_large"])
@@ -172,32 +179,32 @@ def invoke_peers(prompts: list[str], max_tokens: int, repeats: int) -> dict[str,
         ),
     }
 
-    def theirs(assistant: Any = None) -> list[str]:
-        texts = []
+    def theirs(prompt: str, assistant: Any = None) -> str:
         with torch.inference_mode():
-            for prompt in prompts:
-                inputs = tokenizer(prompt, return_tensors="pt")
-                out = hf_large.generate(
-                    **inputs,
-                    max_new_tokens=max_tokens,
-                    do_sample=False,
-                    assistant_model=assistant,
-                    pad_token_id=tokenizer.pad_token_id,
-                )
-                texts.append(tokenizer.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True))
-        return texts
+            inputs = tokenizer(prompt, return_tensors="pt")
+            out = hf_large.generate(
+                **inputs,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                assistant_model=assistant,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return str(tokenizer.decode(out[0, inputs.input_ids.shape[1] :], skip_special_tokens=True))
 
-    reference = theirs()
+    reference = [theirs(p) for p in prompts]
     same = {
         name: sum(llm.invoke(p) == t for p, t in zip(prompts, reference, strict=True)) for name, llm in llms.items()
     }
+    sides: dict[str, Callable[[str], object]] = {
+        "plain": theirs,
+        "assisted": lambda p: theirs(p, hf_small),
+        **{name: llm.invoke for name, llm in llms.items()},
+    }
     ratios: dict[str, list[float]] = {f"a_invoke_{name}": [] for name in llms}
     for _ in range(repeats):
-        plain = timed(lambda: len(theirs()))[0]
-        assisted = timed(lambda: len(theirs(hf_small)))[0]
-        for name, llm in llms.items():
-            mine = timed(lambda llm=llm: len([llm.invoke(p) for p in prompts]))[0]
-            ratios[f"a_invoke_{name}"].append((plain if name == "large_only" else assisted) / mine)
+        seconds = interleaved(sides, prompts)
+        for name in llms:
+            ratios[f"a_invoke_{name}"].append(seconds["plain" if name == "large_only" else "assisted"] / seconds[name])
     return {
         "ratios": {k: spread(v) for k, v in ratios.items()},
         "same_text_as_generate": {name: f"{count}/{len(prompts)}" for name, count in same.items()},
