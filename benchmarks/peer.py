@@ -22,7 +22,8 @@ both sides unless ``--threads`` says otherwise.
     figure is the 16 callers' tokens/s against the ceiling the models allow for that work, ``16 / t(16)``.
 (e) EAD with lookahead (window 1, dwell 1, 0.05 bits) against the measured-time ideal
     ``f_L * t_L + (1 - f_L) * t_S`` (t_S, t_L: SmallOnly's and LargeOnly's time per token), and how many of the
-    generated tokens the large model was fed (it catches up on the small model's, several per pass).
+    generated tokens the large model was fed (it catches up on the small model's, several per pass). The three
+    policies take turns prompt by prompt, as the sides of (a) do.
 
     python benchmarks/peer.py [--repeats 5] [--problems 20] [--threads 1] [--json out.json] [--quick]
 """
@@ -46,7 +47,7 @@ from ead_llm.core.engine import Engine
 from ead_llm.core.kv_cache import SequenceKV
 from ead_llm.core.loading import LoadConfig, LoadedModel, ModelPair, describe_model, load_pair
 from ead_llm.core.model_runner import ModelRunner, PassRow
-from ead_llm.core.request import Request, SamplingParams
+from ead_llm.core.request import Completion, Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.embedded import embedded_pair, recommended_threshold
 from ead_llm.evaluation.task import problems
@@ -411,24 +412,23 @@ def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[s
 
 
 def lookahead_vs_ideal(engine: Engine, prompts: list[str], max_tokens: int, repeats: int) -> dict[str, Any]:
-    def per_token(policy: Policy) -> tuple[float, float, float]:
-        params = SamplingParams(max_tokens=max_tokens)
-        start = time.perf_counter()
-        done = [engine.generate([Request(p, policy, params)])[0] for p in prompts]
-        elapsed = time.perf_counter() - start
-        tokens = sum(c.cost.completion_tokens for c in done)
-        fed = sum(c.cost.large_processed_tokens - c.cost.prompt_tokens for c in done)
-        return elapsed / tokens, sum(c.cost.large_tokens for c in done) / tokens, fed / tokens
-
+    params = SamplingParams(max_tokens=max_tokens)
     lookahead = EAD(threshold=0.05, window=1, min_dwell=1, lookahead=True)
+    policies: dict[str, Policy] = {"small": SmallOnly(), "large": LargeOnly(), "ead": lookahead}
     ratios, fractions, fed = [], [], []
     for _ in range(repeats):
-        t_small, _, _ = per_token(SmallOnly())
-        t_large, _, _ = per_token(LargeOnly())
-        t_ead, fraction, large_fed = per_token(lookahead)
-        ratios.append(t_ead / (fraction * t_large + (1 - fraction) * t_small))
+        done: dict[str, list[Completion]] = {name: [] for name in policies}
+
+        def side(policy: Policy, into: list[Completion]) -> Callable[[str], object]:
+            return lambda prompt: into.append(engine.generate([Request(prompt, policy, params)])[0])
+
+        seconds = interleaved({name: side(policy, done[name]) for name, policy in policies.items()}, prompts)
+        per_token = {name: seconds[name] / sum(c.cost.completion_tokens for c in done[name]) for name in policies}
+        tokens = sum(c.cost.completion_tokens for c in done["ead"])
+        fraction = sum(c.cost.large_tokens for c in done["ead"]) / tokens
+        ratios.append(per_token["ead"] / (fraction * per_token["large"] + (1 - fraction) * per_token["small"]))
         fractions.append(fraction)
-        fed.append(large_fed)
+        fed.append(sum(c.cost.large_processed_tokens - c.cost.prompt_tokens for c in done["ead"]) / tokens)
     return {
         "ratio": spread(ratios),
         "large_fraction": statistics.median(fractions),
