@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from ead_llm.core import fused_llama, kernels
+from ead_llm.core import fused_llama, kernels, ops
 from ead_llm.core.fused_llama import NATIVE_BF16, Projection, candidates
 
 
@@ -285,3 +285,62 @@ def test_the_attention_kernel_refuses_a_table_past_the_storage_and_reads_nothing
         kernels.fused(torch.zeros(2, 8), weight, 8, None, residual=torch.zeros(3, 8))
     with pytest.raises(ValueError, match="cos and sin"):
         kernels.fused(torch.zeros(2, 8), weight, 8, None, rotary=(torch.zeros(1, 8), torch.zeros(1, 8), 1))
+
+
+def float64_entropy_bits(rows: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(rows.double(), dim=-1)
+    return -torch.where(torch.isinf(logp), 0.0, logp.exp() * logp).sum(-1) / torch.log(torch.tensor(2.0)).double()
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 7, 8, 9, 511, 513, 1030, 49152])
+def test_row_stats_entropy_to_float64_and_the_first_of_equal_maxima(vocab: int) -> None:
+    """Rows shorter than a lane, past a 512-value block, and a real vocabulary: the entropy within 1e-5 bits of a
+    float64 one (masked values counting as 0), and the most likely id torch's rule gives, with the maximum tied at
+    several places (the tail's lanes too)."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = (torch.randn(6, vocab, generator=gen) * torch.tensor([[0.1], [1.0], [3.0], [10.0], [30.0], [1.0]])).float()
+    rows[5, :: max(1, vocab // 5)] = rows[5].max() + 1.0  # the maximum at every fifth position...
+    rows[4, torch.arange(vocab) % 3 == 1] = -torch.inf  # ...and a third of a row masked
+    rows[3, -1] = rows[3].max()  # the last value ties the first maximum
+    bits, ids = kernels.row_stats(rows)
+    assert torch.allclose(bits.double(), float64_entropy_bits(rows), atol=1e-5, rtol=1e-6)
+    assert torch.equal(ids, rows.max(dim=-1).indices) and (bits >= 0).all()
+
+
+@needs_kernel
+def test_row_stats_leaves_nan_infinite_and_empty_rows_to_torch_and_ops_decides_them_as_before() -> None:
+    """A row with a NaN or +inf, or all -inf, is marked (NaN, -1); ``entropy_bits`` and ``best`` give torch's answer for
+    those rows and the kernel's for the others, which stay where they are. One certain token: 0 bits exactly."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor(
+        [[0.0, -inf, -inf, 1.0], [nan, 0.0, 1.0, 2.0], [1.0, inf, 0.0, inf], [-inf] * 4, [0.0, -inf, -inf, -inf]]
+    )
+    bits, ids = kernels.row_stats(rows)
+    assert torch.isnan(bits[1:4]).all() and ids[1:4].tolist() == [-1, -1, -1]
+    assert bits[4].item() == 0.0 and ids[4].item() == 0
+    torch_bits, torch_ids = ops._entropy_bits(rows), rows.max(dim=-1).indices
+    mine_bits, mine_ids = ops.entropy_bits(rows), ops.best(rows)
+    assert same_bits(mine_bits[1:4], torch_bits[1:4]) and torch.equal(mine_ids, torch_ids)
+    assert same_bits(mine_bits[[0, 4]], bits[[0, 4]])
+    assert torch.allclose(mine_bits[[0, 4]], torch_bits[[0, 4]], atol=1e-6)
+
+
+@needs_kernel
+def test_row_stats_a_row_has_the_same_bits_alone_in_any_batch_and_through_a_strided_view() -> None:
+    gen = torch.Generator().manual_seed(3)
+    wide = torch.randn(40, 1100, generator=gen) * 4
+    rows = wide[:, 50:1080]  # rows 1100 apart in memory
+    bits, ids = kernels.row_stats(rows)
+    for start, stop in [(0, 1), (7, 8), (3, 29), (0, 40)]:
+        part_bits, part_ids = kernels.row_stats(rows[start:stop].clone())
+        assert same_bits(part_bits, bits[start:stop]) and torch.equal(part_ids, ids[start:stop])
+    assert same_bits(ops.entropy_bits(rows[None]), bits[None])  # [..., V] inputs keep their leading shape
+    assert torch.equal(ops.best(rows[None]), ids[None])
+
+
+@needs_kernel
+def test_row_stats_refuses_what_it_cannot_read() -> None:
+    for bad in (torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3), torch.zeros(2, 3, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="float32 CPU logits"):
+            kernels.row_stats(bad)

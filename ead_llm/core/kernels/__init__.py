@@ -96,6 +96,8 @@ def _load() -> ctypes.CDLL | None:
     library.ead_attend.argtypes = [pointer, int64, int64, int64, int64, int64, int64, pointer, pointer, int64, int64]
     library.ead_attend.argtypes += [pointer, int64, pointer, ctypes.c_float, pointer]
     library.ead_attend.restype = int64
+    library.ead_row_stats.argtypes = [pointer, int64, int64, int64, pointer, pointer]
+    library.ead_row_stats.restype = None
     library.ead_rows_panel_width.restype = int64
     return library
 
@@ -273,3 +275,30 @@ def attend(
     if status:
         raise MemoryError(f"the attention kernel could not allocate its scratch for {tokens} queries")
     return out
+
+
+def row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of ``logits`` ``[B, V]`` (float32, CPU, each row contiguous): the entropy in bits of its softmax
+    (``[B]`` float32; -inf values count as probability 0) and its most likely id, the lowest among equal maxima
+    (``[B]`` int64), in one pass over the row for both. A row holding a NaN or +inf, or nothing above -inf, gets a NaN
+    entropy and id -1 (the caller works it out its own way). An output not asked for is left empty. Every row's
+    numbers depend on that row alone."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "the kernel is not available here"
+    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
+        raise ValueError(f"row_stats takes [B, V] float32 CPU logits, got {logits.dtype} {tuple(logits.shape)}")
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    bits = torch.empty(rows if entropy else 0, dtype=torch.float32)
+    ids = torch.empty(rows if best else 0, dtype=torch.int64)
+    if rows and vocab:
+        library.ead_row_stats(
+            logits.data_ptr(),
+            rows,
+            vocab,
+            logits.stride(0),
+            bits.data_ptr() if entropy else None,
+            ids.data_ptr() if best else None,
+        )
+    return bits, ids

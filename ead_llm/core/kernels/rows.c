@@ -323,3 +323,73 @@ int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t toke
     free(slots);
     return 0;
 }
+
+/* Per row of x [rows][stride] (vocab values each): the Shannon entropy in bits of softmax(row), and the row's most
+ * likely id (the lowest among equal maxima), each output optional (NULL). -inf values count as probability 0. A row
+ * that holds a NaN or +inf, or nothing above -inf, gets a NaN entropy and an id of -1: the caller works those out
+ * its own way. Every row's numbers depend on that row alone, in a fixed order: the sums of exp(x - max) and of
+ * (x - max) * exp(x - max) in eight lanes over blocks of 512 values, each block's lanes added into doubles. */
+void ead_row_stats(const float *x, int64_t rows, int64_t vocab, int64_t stride, float *entropy, int64_t *best) {
+    const __m256 floor = _mm256_set1_ps(-87.0f), zero = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        __m256 top = _mm256_set1_ps(-INFINITY), odd = zero; /* odd: lanes that met a NaN or +inf */
+        int64_t i = 0;
+        for (; i + 8 <= vocab; i += 8) {
+            const __m256 v = _mm256_loadu_ps(row + i);
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            odd = _mm256_or_ps(odd, _mm256_cmp_ps(v, _mm256_set1_ps(INFINITY), _CMP_EQ_OQ));
+            top = _mm256_max_ps(top, v);
+        }
+        float most = -INFINITY;
+        int bad = _mm256_movemask_ps(odd) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        for (int j = 0; j < 8; j++) most = lanes[j] > most ? lanes[j] : most;
+        for (; i < vocab; i++) {
+            bad |= isnan(row[i]) || row[i] == INFINITY;
+            most = row[i] > most ? row[i] : most;
+        }
+        if (bad || most == -INFINITY) {
+            if (entropy) entropy[r] = NAN;
+            if (best) best[r] = -1;
+            continue;
+        }
+        if (best) {
+            const __m256 m = _mm256_set1_ps(most);
+            int64_t at = -1;
+            for (i = 0; i + 8 <= vocab && at < 0; i += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i), m, _CMP_EQ_OQ));
+                if (hit) at = i + __builtin_ctz((unsigned)hit);
+            }
+            for (; i < vocab && at < 0; i++)
+                if (row[i] == most) at = i;
+            best[r] = at;
+        }
+        if (!entropy) continue;
+        const __m256 shift = _mm256_set1_ps(most);
+        double mass = 0.0, weighted = 0.0;
+        for (i = 0; i < vocab;) {
+            __m256 s = zero, t = zero;
+            const int64_t end = vocab - i > 512 ? i + 512 : vocab;
+            for (; i < end; i += 8) {
+                __m256 d;
+                if (end - i >= 8) {
+                    d = _mm256_sub_ps(_mm256_loadu_ps(row + i), shift);
+                } else { /* the row's last values, padded with -inf */
+                    float v[8];
+                    for (int64_t j = 0; j < 8; j++) v[j] = j < end - i ? row[i + j] : -INFINITY;
+                    d = _mm256_sub_ps(_mm256_loadu_ps(v), shift);
+                }
+                const __m256 keep = _mm256_cmp_ps(d, floor, _CMP_GE_OQ); /* exp(-87) and below add nothing */
+                const __m256 e = _mm256_and_ps(exp8(d), keep);
+                s = _mm256_add_ps(s, e);
+                t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_and_ps(d, keep), e));
+            }
+            mass += (double)lanes_sum(s);
+            weighted += (double)lanes_sum(t);
+        }
+        const double nats = log(mass) - weighted / mass;
+        entropy[r] = (float)(nats > 0.0 ? nats * 1.4426950408889634 : 0.0);
+    }
+}
