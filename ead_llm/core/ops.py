@@ -66,9 +66,9 @@ def _entropy_bits(logits: torch.Tensor) -> torch.Tensor:
 
 def _native(logits: torch.Tensor) -> bool:
     """Whether ``logits`` go through the kernel's :func:`~ead_llm.core.kernels.row_stats`: float32 rows on a CPU
-    where it runs. It reads a row once for what torch's operations read it several times for (a 49,152-token row's
-    entropy and most likely id: 0.10 against 0.53 ms, one thread), and its entropy is the closer to a float64
-    one's (1e-6 against 5e-5 bits over 151,936 tokens)."""
+    where it runs. It reads a row three times for what torch's operations read six (a 49,152-token row's entropy and
+    most likely id: 0.10 against 0.53 ms, one thread), and its entropy is the closer to a float64 one's (1e-6 against
+    5e-5 bits over 151,936 tokens)."""
     return (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32

@@ -280,9 +280,10 @@ def attend(
 def row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` ``[B, V]`` (float32, CPU, each row contiguous): the entropy in bits of its softmax
     (``[B]`` float32; -inf values count as probability 0) and its most likely id, the lowest among equal maxima
-    (``[B]`` int64), in one pass over the row for both. A row holding a NaN or +inf, or nothing above -inf, gets a NaN
-    entropy and id -1 (the caller works it out its own way). An output not asked for is left empty. Every row's
-    numbers depend on that row alone."""
+    (``[B]`` int64): a read of the row for its maximum, one up to the first id that holds it, one for the entropy's
+    two sums (torch's operations read it and their temporaries six times). A row holding a NaN or +inf, or nothing
+    above -inf, gets a NaN entropy and id -1 (the caller works it out its own way). An output not asked for is left
+    empty. Every row's numbers depend on that row alone."""
     library = _LIBRARY[0] if _LIBRARY else _library()
     assert library is not None, "the kernel is not available here"
     if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
