@@ -26,6 +26,8 @@ from ead_llm.core.ops import (
     candidate_width,
     entropy_bits,
     kept_floor,
+    native_nucleus,
+    on_kernel,
     piece_sums,
     sorts_whole_rows,
     top_k_entropy_nats,
@@ -235,6 +237,14 @@ def _filtered_draw(
 ) -> torch.Tensor:
     """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
     vocab = scaled.shape[-1]
+    if meta.any_top_p and not sorts_whole_rows(scaled) and on_kernel(scaled):  # the kernel's floor and draw
+        _, drawn = native_nucleus(scaled, top_k, top_p, max_top_k=meta.max_top_k, u=u)
+        assert drawn is not None
+        odd = (drawn < 0).nonzero().flatten()
+        if len(odd):  # a row the kernel leaves (a NaN in it): torch's floor, a draw over the row
+            kept_set = kept_floor(scaled[odd], top_k[odd], top_p[odd], max_top_k=meta.max_top_k, any_top_p=True)
+            drawn[odd] = inverse_cdf(kept_set.kept_weights(torch.arange(len(odd)), scaled[odd]), u[odd])[:, 0]
+        return drawn
     kept_set = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
     floor, values, ids = kept_set.floor, kept_set.values, kept_set.ids
     if sorts_whole_rows(scaled):  # every row over the vocabulary: no step that depends on the data

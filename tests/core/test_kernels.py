@@ -344,3 +344,103 @@ def test_row_stats_refuses_what_it_cannot_read() -> None:
     for bad in (torch.zeros(2, 3, dtype=torch.float64), torch.zeros(3), torch.zeros(2, 3, dtype=torch.bfloat16)):
         with pytest.raises(ValueError, match="float32 CPU logits"):
             kernels.row_stats(bad)
+
+
+def torch_floor(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    return ops.kept_floor(scaled, top_k, top_p, max_top_k=max_top_k, any_top_p=True, native=False).floor
+
+
+def filtered(scaled: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """What a floor leaves of ``scaled`` (as ``filter_logits`` applies it): two floors that keep the same tokens
+    give the same bits (-0.0 and 0.0 as a floor, or the row's least value and -inf, keep the same)."""
+    return scaled.masked_fill(scaled < floor[:, None], -torch.inf)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 5, 9, 3000, 20000])
+def test_nucleus_floor_is_torch_searchs_to_the_bit_flat_peaked_tied_and_cut_by_top_k(vocab: int) -> None:
+    """Rows whose nucleus lies among a few tokens or reaches over most of the row, a top-k cut inside a tie, masked
+    values, a temperature that leaves one token: the kernel's floor is the torch search's (the sampler's and the
+    verifier's filter take it, so they keep the same tokens)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen) * torch.tensor(
+        [[0.01], [0.3], [1.0], [3.0], [30.0], [1.0], [1.0], [1]]
+    )
+    logits[5] = logits[5].round(decimals=0)  # wide ties
+    logits[6, ::3] = -torch.inf
+    temperature = torch.tensor([0.9, 1.0, 0.7, 1.3, 1.0, 1.0, 0.5, 1e-30])[:, None]
+    scaled = ops.apply_temperature(logits, temperature)
+    top_p = torch.tensor([0.9, 0.5, 0.95, 0.3, 0.99, 0.8, 0.6, 0.9])
+    for top_k, max_top_k in [(torch.zeros(8, dtype=torch.int64), 0), (torch.tensor([0, 3, 50, 0, 7, 2, 0, 1]), 50)]:
+        mine, _ = ops.native_nucleus(scaled, top_k, top_p, max_top_k=max_top_k)
+        assert same_bits(filtered(scaled, mine), filtered(scaled, torch_floor(scaled, top_k, top_p, max_top_k)))
+
+
+@needs_kernel
+def test_nucleus_edge_that_falls_exactly_on_a_token_is_decided_by_the_rule_not_rounding() -> None:
+    """0.5 + 0.3 of the mass at top_p 0.8: the third token's strictly earlier mass reaches top_p (within the
+    tolerance), so it is dropped with the token tied to it; at 0.81 both are kept. A tie group whose earlier mass (0.4)
+    is below top_p is kept whole (0.8, 0.5), and dropped whole once that mass reaches it (0.4)."""
+    probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.4, 0.2, 0.2, 0.2]])
+    scaled = ops.apply_temperature(torch.log(probs), 1.0)
+    for p, kept in [(0.8, [2, 4]), (0.81, [4, 4]), (0.5, [1, 4]), (0.4, [1, 1])]:
+        floor, _ = ops.native_nucleus(scaled, torch.zeros(2, dtype=torch.int64), torch.full((2,), p), max_top_k=0)
+        assert (scaled >= floor[:, None]).sum(-1).tolist() == kept, p
+        theirs = torch_floor(scaled, torch.zeros(2, dtype=torch.int64), torch.full((2,), p), 0)
+        assert same_bits(filtered(scaled, floor), filtered(scaled, theirs))
+
+
+@needs_kernel
+def test_nucleus_draws_follow_the_filtered_distribution_in_token_order_row_by_row() -> None:
+    """Evenly spaced uniforms give each kept token its share of the draws (to one draw), in token-id order, nothing
+    outside the kept set; a row's draw is the same alone and in a batch."""
+    logits = torch.log(torch.tensor([0.05, 0.3, 0.02, 0.25, 0.38]))
+    scaled = ops.apply_temperature(logits[None], 1.0)
+    count = 1000
+    u = (torch.arange(count, dtype=torch.float64) + 0.5) / count
+    rows = scaled.expand(count, -1).contiguous()
+    _, drawn = ops.native_nucleus(
+        rows, torch.zeros(count, dtype=torch.int64), torch.full((count,), 0.9), max_top_k=0, u=u[:, None]
+    )
+    assert drawn is not None
+    probs = ops.filtered_probs(
+        logits[None],
+        torch.ones(1),
+        torch.zeros(1, dtype=torch.int64),
+        torch.full((1,), 0.9),
+        max_top_k=0,
+        any_top_p=True,
+    )[0]
+    shares = torch.bincount(drawn, minlength=5).double() / count
+    assert torch.allclose(shares, probs.double(), atol=1.5 / count) and shares[[0, 2]].sum() == 0
+    assert torch.equal(drawn, drawn.sort().values)  # u ascending, tokens ascending: the CDF runs in id order
+    for b in (0, 437, 999):
+        _, alone = ops.native_nucleus(
+            rows[b : b + 1], torch.zeros(1, dtype=torch.int64), torch.full((1,), 0.9), max_top_k=0, u=u[b : b + 1, None]
+        )
+        assert alone is not None and int(alone) == int(drawn[b])
+
+
+@needs_kernel
+def test_nucleus_leaves_nan_rows_to_torch_and_the_sampler_still_draws_them() -> None:
+    from ead_llm.core.sampler import SamplingMetadata, sample, stream_key
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(5))
+    logits[1, 7] = float("nan")
+    scaled = ops.apply_temperature(logits, 0.8)
+    floor, tokens = kernels.nucleus(
+        scaled,
+        torch.full((3,), -torch.inf),
+        torch.full((3,), 0.9),
+        ops.NUCLEUS_RTOL,
+        torch.rand(3, dtype=torch.float64),
+    )
+    assert (
+        torch.isnan(floor[1]) and tokens is not None and int(tokens[1]) == -1 and not torch.isnan(floor[[0, 2]]).any()
+    )
+    meta = SamplingMetadata.build([(0.8, 0, 0.9, stream_key(4, b), 2) for b in range(3)])
+    mine = sample(logits, meta)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "on_kernel", lambda x: False)
+        theirs = sample(logits, meta)
+    assert int(mine[1]) == int(theirs[1])  # the NaN row: torch's floor and draw, as without the kernel

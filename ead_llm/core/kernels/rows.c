@@ -393,3 +393,168 @@ void ead_row_stats(const float *x, int64_t rows, int64_t vocab, int64_t stride, 
         entropy[r] = (float)(nats > 0.0 ? nats * 1.4426950408889634 : 0.0);
     }
 }
+
+/* One digit of the nucleus search: from a histogram of mass per digit (bins of them, most likely first), the first
+ * digit at which the mass counted from *before reaches threshold (the last digit with mass where rounding leaves the
+ * row's total short of it); *before gains the mass of the digits ahead of it. */
+static int64_t next_digit(const double *hist, int64_t bins, double *before, double threshold) {
+    int64_t first = 0, last = 0;
+    double cum = 0.0, ahead = 0.0;
+    for (int64_t d = 0; d < bins; d++)
+        if (hist[d] > 0.0) last = d;
+    for (first = 0; first < bins; first++) {
+        cum += hist[first];
+        if (!(*before + cum < threshold)) break;
+        ahead = cum;
+    }
+    if (first > last) { /* the sums fell short by rounding: the last digit with mass, all ahead of it */
+        first = last;
+        ahead = 0.0;
+        for (int64_t d = 0; d < last; d++) ahead += hist[d];
+    }
+    *before += ahead;
+    return first;
+}
+
+/* Per row of scaled [rows][stride] (vocab values at most 0, temperature applied, the maximum at 0): the nucleus
+ * floor over the values at or above the row's floor_in (top-k's; -inf: all), as ops.nucleus_by_digits finds it: the
+ * value v whose strictly larger values weigh less than top_p * (1 - rtol) of the kept mass while those at or above it
+ * reach it, found a digit of its magnitude bits at a time (13, 9, 9 bits) from float64 histograms of exp(value). It
+ * writes max(floor_in, v) to floor_out (floor_in where top_p >= 1). With u (a uniform per row), it also draws token_out
+ * by inverse CDF over the kept values' weights in token-id order: the first token whose cumulative weight exceeds u
+ * times their total (blocks of 512 summed in eight lanes, the blocks and the tokens of the block the draw falls in
+ * added in float64; the block's last kept token where rounding runs past its end). The weights are exp8's, zero
+ * below -87 (float32's exp there is below 1e-37 of the maximum's). Every row's numbers
+ * depend on that row alone. A row holding a NaN or a value above 0, or no weight at or above floor_in, gets a NaN
+ * floor and token -1 (the caller works it out its own way). Returns 0, or -1 when the scratch could not be
+ * allocated. */
+int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t stride, const float *floor_in,
+                    const float *top_p, double rtol, const double *u, float *floor_out, int64_t *token_out) {
+    float *weights = (float *)malloc((size_t)vocab * sizeof(float));
+    uint32_t *keys = (uint32_t *)malloc((size_t)vocab * sizeof(uint32_t));
+    float *mass = (float *)malloc((size_t)vocab * sizeof(float));
+    double *hist = (double *)malloc((size_t)8192 * sizeof(double));
+    double *block_mass = (double *)malloc((size_t)((vocab + 511) / 512 + 1) * sizeof(double));
+    if (!weights || !keys || !mass || !hist || !block_mass) {
+        free(weights);
+        free(keys);
+        free(mass);
+        free(hist);
+        free(block_mass);
+        return -1;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = scaled + r * stride;
+        const float low = floor_in[r];
+        double total = 0.0;
+        int odd = 0; /* a NaN or a value above 0 */
+        const __m256 least = _mm256_set1_ps(low > -87.0f ? low : -87.0f), zero = _mm256_setzero_ps();
+        __m256 bad = zero;
+        int64_t i = 0;
+        while (i + 8 <= vocab) { /* weights in eight lanes, summed over blocks of 512 into a double */
+            __m256 sum = zero;
+            const int64_t end = vocab - i >= 512 ? i + 512 : i + (vocab - i) / 8 * 8;
+            for (; i < end; i += 8) {
+                const __m256 v = _mm256_loadu_ps(row + i);
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, zero, _CMP_NLE_UQ));
+                const __m256 w = _mm256_and_ps(exp8(v), _mm256_cmp_ps(v, least, _CMP_GE_OQ));
+                _mm256_storeu_ps(weights + i, w);
+                sum = _mm256_add_ps(sum, w);
+            }
+            total += (double)lanes_sum(sum);
+        }
+        odd = _mm256_movemask_ps(bad) != 0;
+        for (; i < vocab; i++) {
+            odd |= !(row[i] <= 0.0f);
+            weights[i] = row[i] >= low && row[i] >= -87.0f ? expf(row[i]) : 0.0f;
+            total += (double)weights[i];
+        }
+        if (odd || !(total > 0.0)) { /* the caller works such a row out its own way */
+            floor_out[r] = NAN;
+            if (token_out) token_out[r] = -1;
+            continue;
+        }
+        float floor = low;
+        if (top_p[r] < 1.0f) {
+            const double threshold = (double)top_p[r] * total * (1.0 - rtol);
+            double before = 0.0;
+            memset(hist, 0, 8192 * sizeof(double));
+            for (int64_t i = 0; i < vocab; i++)
+                if (weights[i] > 0.0f) {
+                    uint32_t bits;
+                    memcpy(&bits, row + i, sizeof(bits));
+                    hist[(bits & 0x7FFFFFFFu) >> 18] += (double)weights[i];
+                }
+            uint32_t prefix = (uint32_t)next_digit(hist, 8192, &before, threshold);
+            int64_t count = 0; /* the values that share the digits found so far */
+            for (int64_t i = 0; i < vocab; i++)
+                if (weights[i] > 0.0f) {
+                    uint32_t bits;
+                    memcpy(&bits, row + i, sizeof(bits));
+                    bits &= 0x7FFFFFFFu;
+                    if (bits >> 18 == prefix) {
+                        keys[count] = bits;
+                        mass[count++] = weights[i];
+                    }
+                }
+            for (int shift = 9; shift >= 0; shift -= 9) {
+                memset(hist, 0, 512 * sizeof(double));
+                for (int64_t j = 0; j < count; j++)
+                    if (keys[j] >> (shift + 9) == prefix) hist[(keys[j] >> shift) & 511] += (double)mass[j];
+                prefix = (prefix << 9) | (uint32_t)next_digit(hist, 512, &before, threshold);
+            }
+            float edge;
+            memcpy(&edge, &prefix, sizeof(edge));
+            edge = -edge;
+            floor = edge > low ? edge : low;
+        }
+        floor_out[r] = floor;
+        if (!u || !token_out) continue;
+        /* the kept weights summed per block of 512 (eight lanes each, into doubles), the block where u times their
+         * total falls, then the token inside it (its last kept token where rounding runs past the block's end) */
+        const __m256 edge = _mm256_set1_ps(floor);
+        const int64_t blocks = (vocab + 511) / 512;
+        double kept = 0.0;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t start = b * 512, end = start + 512 < vocab ? start + 512 : vocab;
+            __m256 sum = _mm256_setzero_ps();
+            int64_t i = start;
+            for (; i + 8 <= end; i += 8) {
+                const __m256 keep = _mm256_cmp_ps(_mm256_loadu_ps(row + i), edge, _CMP_GE_OQ);
+                sum = _mm256_add_ps(sum, _mm256_and_ps(_mm256_loadu_ps(weights + i), keep));
+            }
+            double part = (double)lanes_sum(sum);
+            for (; i < end; i++)
+                if (row[i] >= floor) part += (double)weights[i];
+            block_mass[b] = part;
+            kept += part;
+        }
+        const double target = u[r] * kept;
+        double cum = 0.0;
+        int64_t block = blocks - 1;
+        for (int64_t b = 0; b < blocks; b++) {
+            if (block_mass[b] > 0.0) block = b; /* the last block with mass, where the sums run past the end */
+            if (cum + block_mass[b] > target && block_mass[b] > 0.0) {
+                block = b;
+                break;
+            }
+            cum += block_mass[b];
+        }
+        if (!(cum + block_mass[block] > target)) cum = target - block_mass[block]; /* rounding: its last token */
+        const int64_t start = block * 512, end = start + 512 < vocab ? start + 512 : vocab;
+        int64_t token = -1;
+        for (int64_t i = start; i < end; i++)
+            if (row[i] >= floor && weights[i] > 0.0f) {
+                token = i;
+                cum += (double)weights[i];
+                if (cum > target) break;
+            }
+        token_out[r] = token;
+    }
+    free(weights);
+    free(keys);
+    free(mass);
+    free(hist);
+    free(block_mass);
+    return 0;
+}
