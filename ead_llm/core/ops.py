@@ -186,13 +186,23 @@ def kept_floor(
     (values and ids ``[B, C]``, most likely first), and the weights over the vocabulary of the rows whose kept tokens
     reach past them (:class:`Kept`).
 
-    A top-p filter on float32 rows on a CPU where the kernel runs (and ``native``) takes its floor from
-    :func:`native_nucleus` instead: the same floor (tested), and no candidates (``[B, 0]``).
+    A top-p filter's rows without top-k, float32 on a CPU where the kernel runs (and ``native``), take their floor
+    from :func:`native_nucleus` instead: the same floor (tested), and no candidates (``[B, 0]``) for any row. A top-k
+    row's nucleus lies among its k candidates, which this search finds for less than a pass over the row.
     """
     if native and any_top_p and not sorts_whole_rows(scaled) and on_kernel(scaled):
-        floor, _ = native_nucleus(scaled, top_k, top_p, max_top_k=max_top_k)
-        nothing = scaled[:, :0]
-        return Kept(floor, nothing, torch.zeros_like(nothing, dtype=torch.int64))
+        plain = (top_k <= 0).nonzero().flatten()
+        if len(plain):
+            floor = torch.empty(len(scaled), dtype=torch.float32)
+            every = len(plain) == len(scaled)
+            floor[plain] = native_nucleus(scaled if every else scaled[plain], top_p if every else top_p[plain])[0]
+            if not every:
+                cut = (top_k > 0).nonzero().flatten()
+                floor[cut] = kept_floor(
+                    scaled[cut], top_k[cut], top_p[cut], max_top_k=max_top_k, any_top_p=True, native=False
+                ).floor
+            nothing = scaled[:, :0]
+            return Kept(floor, nothing, torch.zeros_like(nothing, dtype=torch.int64))
     batch, vocab = scaled.shape
     own = candidate_width(top_k, vocab)
     width = min(vocab, max(max_top_k, CANDIDATES))
@@ -232,27 +242,21 @@ def kept_floor(
 
 
 def native_nucleus(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, max_top_k: int, u: torch.Tensor | None = None
+    scaled: torch.Tensor, top_p: torch.Tensor, *, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kept_floor`'s floor ``[B]`` through the kernel (:func:`ead_llm.core.kernels.nucleus`), and with ``u``
+    """:func:`kept_floor`'s top-p floor ``[B]`` for rows without top-k, through the kernel
+    (:func:`ead_llm.core.kernels.nucleus`: :func:`nucleus_by_digits`'s search, one pass per digit), and with ``u``
     ``[B, 1]`` a token per row ``[B]`` drawn by inverse CDF in token-id order over its kept tokens (the sampler's
-    draw). Top-k's floor comes from ``torch.topk``, the nucleus from the kernel's search over the row's magnitude
-    bits, :func:`nucleus_by_digits`'s search in one pass per digit; the tokens' weights are the kernel's ``exp``. A
-    row the kernel leaves (a NaN in it) gets :func:`kept_floor`'s torch floor, and its token ``-1`` (the caller draws
-    it its own way). A 151,936-token row with most of it in the nucleus: 1.7 ms for the floor and the draw, against
-    6.5 ms for torch's floor alone (one thread, 64 rows)."""
-    batch, vocab = scaled.shape
-    floor = torch.full((batch,), -torch.inf, device=scaled.device)
-    if max_top_k:
-        width = min(vocab, max_top_k)
-        kth = torch.topk(scaled, width, dim=-1).values.gather(1, (torch.clamp(top_k, min=1, max=width) - 1)[:, None])
-        floor = torch.where(top_k > 0, kth.squeeze(1), floor)
+    draw; the weights are the kernel's ``exp``). A row the kernel leaves (a NaN in it) gets the torch search's floor
+    and token ``-1`` (the caller draws it its own way). A 151,936-token row with most of it in the nucleus: 0.55 ms for
+    the floor and the draw, against 6.5 ms for torch's floor alone (one thread, 64 rows)."""
+    batch = len(scaled)
+    floor = torch.full((batch,), -torch.inf)
     found, tokens = kernels.nucleus(scaled, floor, top_p, NUCLEUS_RTOL, None if u is None else u.reshape(batch))
     odd = torch.isnan(found).nonzero().flatten()
     if len(odd):
-        found[odd] = kept_floor(
-            scaled[odd], top_k[odd], top_p[odd], max_top_k=max_top_k, any_top_p=True, native=False
-        ).floor
+        none = torch.zeros(len(odd), dtype=torch.int64)
+        found[odd] = kept_floor(scaled[odd], none, top_p[odd], max_top_k=0, any_top_p=True, native=False).floor
     return found, tokens
 
 

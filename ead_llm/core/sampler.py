@@ -237,14 +237,9 @@ def _filtered_draw(
 ) -> torch.Tensor:
     """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
     vocab = scaled.shape[-1]
-    if meta.any_top_p and not sorts_whole_rows(scaled) and on_kernel(scaled):  # the kernel's floor and draw
-        _, drawn = native_nucleus(scaled, top_k, top_p, max_top_k=meta.max_top_k, u=u)
-        assert drawn is not None
-        odd = (drawn < 0).nonzero().flatten()
-        if len(odd):  # a row the kernel leaves (a NaN in it): torch's floor, a draw over the row
-            kept_set = kept_floor(scaled[odd], top_k[odd], top_p[odd], max_top_k=meta.max_top_k, any_top_p=True)
-            drawn[odd] = inverse_cdf(kept_set.kept_weights(torch.arange(len(odd)), scaled[odd]), u[odd])[:, 0]
-        return drawn
+    plain = top_k <= 0  # top-p rows without top-k: the kernel's floor and draw, where it runs
+    if meta.any_top_p and not sorts_whole_rows(scaled) and on_kernel(scaled) and bool(plain.any()):
+        return _kernel_draw(scaled, top_k, top_p, u, meta, plain.nonzero().flatten())
     kept_set = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
     floor, values, ids = kept_set.floor, kept_set.values, kept_set.ids
     if sorts_whole_rows(scaled):  # every row over the vocabulary: no step that depends on the data
@@ -259,6 +254,34 @@ def _filtered_draw(
     wide = (~fits).nonzero().flatten()
     if len(wide):  # rows whose kept set reaches past their candidates draw over the vocabulary
         drawn[wide] = inverse_cdf(kept_set.kept_weights(wide, scaled), u[wide])[:, 0]
+    return drawn
+
+
+def _kernel_draw(
+    scaled: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    u: torch.Tensor,
+    meta: SamplingMetadata,
+    plain: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`_filtered_draw` with its ``plain`` rows (top-p without top-k) drawn by the kernel
+    (:func:`ead_llm.core.ops.native_nucleus`), the others (top-k rows) as it draws them."""
+    whole = len(plain) == len(scaled)
+    mine = scaled if whole else scaled[plain]
+    _, tokens = native_nucleus(mine, top_p if whole else top_p[plain], u=u if whole else u[plain])
+    assert tokens is not None
+    odd = (tokens < 0).nonzero().flatten()
+    if len(odd):  # a row the kernel leaves (a NaN in it): torch's floor, a draw over the row
+        none = torch.zeros(len(odd), dtype=torch.int64)
+        kept_set = kept_floor(mine[odd], none, top_p[plain][odd], max_top_k=0, any_top_p=True)
+        tokens[odd] = inverse_cdf(kept_set.kept_weights(torch.arange(len(odd)), mine[odd]), u[plain][odd])[:, 0]
+    if whole:
+        return tokens
+    drawn = torch.empty(len(scaled), dtype=torch.int64)
+    drawn[plain] = tokens
+    cut = (~(top_k <= 0)).nonzero().flatten()
+    drawn[cut] = _filtered_draw(scaled[cut], top_k[cut], top_p[cut], u[cut], meta)
     return drawn
 
 

@@ -361,7 +361,8 @@ def filtered(scaled: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 def test_nucleus_floor_is_torch_searchs_to_the_bit_flat_peaked_tied_and_cut_by_top_k(vocab: int) -> None:
     """Rows whose nucleus lies among a few tokens or reaches over most of the row, a top-k cut inside a tie, masked
     values, a temperature that leaves one token: the kernel's floor is the torch search's (the sampler's and the
-    verifier's filter take it, so they keep the same tokens)."""
+    verifier's filter take it, so they keep the same tokens). With top-k on some rows, those rows take torch's
+    search and the others the kernel's, in the same call."""
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(8, vocab, generator=gen) * torch.tensor(
         [[0.01], [0.3], [1.0], [3.0], [30.0], [1.0], [1.0], [1]]
@@ -372,7 +373,7 @@ def test_nucleus_floor_is_torch_searchs_to_the_bit_flat_peaked_tied_and_cut_by_t
     scaled = ops.apply_temperature(logits, temperature)
     top_p = torch.tensor([0.9, 0.5, 0.95, 0.3, 0.99, 0.8, 0.6, 0.9])
     for top_k, max_top_k in [(torch.zeros(8, dtype=torch.int64), 0), (torch.tensor([0, 3, 50, 0, 7, 2, 0, 1]), 50)]:
-        mine, _ = ops.native_nucleus(scaled, top_k, top_p, max_top_k=max_top_k)
+        mine = ops.kept_floor(scaled, top_k, top_p, max_top_k=max_top_k, any_top_p=True).floor  # kernel: no top-k
         assert same_bits(filtered(scaled, mine), filtered(scaled, torch_floor(scaled, top_k, top_p, max_top_k)))
 
 
@@ -384,7 +385,7 @@ def test_nucleus_edge_that_falls_exactly_on_a_token_is_decided_by_the_rule_not_r
     probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.4, 0.2, 0.2, 0.2]])
     scaled = ops.apply_temperature(torch.log(probs), 1.0)
     for p, kept in [(0.8, [2, 4]), (0.81, [4, 4]), (0.5, [1, 4]), (0.4, [1, 1])]:
-        floor, _ = ops.native_nucleus(scaled, torch.zeros(2, dtype=torch.int64), torch.full((2,), p), max_top_k=0)
+        floor, _ = ops.native_nucleus(scaled, torch.full((2,), p))
         assert (scaled >= floor[:, None]).sum(-1).tolist() == kept, p
         theirs = torch_floor(scaled, torch.zeros(2, dtype=torch.int64), torch.full((2,), p), 0)
         assert same_bits(filtered(scaled, floor), filtered(scaled, theirs))
@@ -399,9 +400,7 @@ def test_nucleus_draws_follow_the_filtered_distribution_in_token_order_row_by_ro
     count = 1000
     u = (torch.arange(count, dtype=torch.float64) + 0.5) / count
     rows = scaled.expand(count, -1).contiguous()
-    _, drawn = ops.native_nucleus(
-        rows, torch.zeros(count, dtype=torch.int64), torch.full((count,), 0.9), max_top_k=0, u=u[:, None]
-    )
+    _, drawn = ops.native_nucleus(rows, torch.full((count,), 0.9), u=u[:, None])
     assert drawn is not None
     probs = ops.filtered_probs(
         logits[None],
@@ -415,9 +414,7 @@ def test_nucleus_draws_follow_the_filtered_distribution_in_token_order_row_by_ro
     assert torch.allclose(shares, probs.double(), atol=1.5 / count) and shares[[0, 2]].sum() == 0
     assert torch.equal(drawn, drawn.sort().values)  # u ascending, tokens ascending: the CDF runs in id order
     for b in (0, 437, 999):
-        _, alone = ops.native_nucleus(
-            rows[b : b + 1], torch.zeros(1, dtype=torch.int64), torch.full((1,), 0.9), max_top_k=0, u=u[b : b + 1, None]
-        )
+        _, alone = ops.native_nucleus(rows[b : b + 1], torch.full((1,), 0.9), u=u[b : b + 1, None])
         assert alone is not None and int(alone) == int(drawn[b])
 
 
