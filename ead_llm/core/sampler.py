@@ -204,7 +204,8 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     else over the vocabulary. Which of the two depends on the row alone, so a seed's draws never depend on
     the batch (nor on the :func:`row_blocks` the rows are drawn in). On a device whose filter sorts rows whole (a
     GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every row draws over the vocabulary, so that no step looks at
-    the data."""
+    the data. Where the kernel runs, a top-p row without top-k takes its floor and draw from it
+    (:func:`ead_llm.core.ops.native_nucleus`: the same kept set, drawn over the vocabulary in token order)."""
     if meta.all_greedy:
         return best(logits)  # [B], the first of equal maxima
     rows = meta.sampled_rows  # only the sampled rows are filtered
@@ -280,7 +281,7 @@ def _kernel_draw(
         return tokens
     drawn = torch.empty(len(scaled), dtype=torch.int64)
     drawn[plain] = tokens
-    cut = (~(top_k <= 0)).nonzero().flatten()
+    cut = (top_k > 0).nonzero().flatten()
     drawn[cut] = _filtered_draw(scaled[cut], top_k[cut], top_p[cut], u[cut], meta)
     return drawn
 

@@ -280,6 +280,16 @@ def attend(
     return out
 
 
+def _rows_call(rows: torch.Tensor, name: str) -> tuple[ctypes.CDLL, torch.Tensor]:
+    """The library and ``rows`` as a per-row call over ``[B, V]`` float32 CPU rows reads them (each row contiguous);
+    anything else is refused with what it got."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "the kernel is not available here"
+    if rows.dim() != 2 or rows.dtype != torch.float32 or rows.device.type != "cpu":
+        raise ValueError(f"{name} takes [B, V] float32 CPU logits, got {rows.dtype} {tuple(rows.shape)}")
+    return library, rows if rows.stride(1) == 1 else rows.contiguous()
+
+
 def row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``logits`` ``[B, V]`` (float32, CPU, each row contiguous): the entropy in bits of its softmax
     (``[B]`` float32; -inf values count as probability 0) and its most likely id, the lowest among equal maxima
@@ -287,12 +297,7 @@ def row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) 
     two sums (torch's operations read it and their temporaries six times). A row holding a NaN or +inf, or nothing
     above -inf, gets a NaN entropy and id -1 (the caller works it out its own way). An output not asked for is left
     empty. Every row's numbers depend on that row alone."""
-    library = _LIBRARY[0] if _LIBRARY else _library()
-    assert library is not None, "the kernel is not available here"
-    if logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu":
-        raise ValueError(f"row_stats takes [B, V] float32 CPU logits, got {logits.dtype} {tuple(logits.shape)}")
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    library, logits = _rows_call(logits, "row_stats")
     rows, vocab = logits.shape
     bits = torch.empty(rows if entropy else 0, dtype=torch.float32)
     ids = torch.empty(rows if best else 0, dtype=torch.int64)
@@ -318,12 +323,7 @@ def nucleus(
     ``[B]`` (float64 uniforms), also a token per row ``[B]`` drawn by inverse CDF in token-id order over the kept
     tokens' weights. A row holding a NaN or a value above 0, or nothing kept, gets a NaN floor and token -1 (the caller
     works it out its own way). Every row's numbers depend on that row alone."""
-    library = _LIBRARY[0] if _LIBRARY else _library()
-    assert library is not None, "the kernel is not available here"
-    if scaled.dim() != 2 or scaled.dtype != torch.float32 or scaled.device.type != "cpu":
-        raise ValueError(f"nucleus takes [B, V] float32 CPU values, got {scaled.dtype} {tuple(scaled.shape)}")
-    if scaled.stride(1) != 1:
-        scaled = scaled.contiguous()
+    library, scaled = _rows_call(scaled, "nucleus")
     rows, vocab = scaled.shape
     floor = floor.to(torch.float32).contiguous()
     top_p = top_p.to(torch.float32).contiguous()
