@@ -65,15 +65,14 @@ def _entropy_bits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def on_kernel(logits: torch.Tensor) -> bool:
-    """Whether ``logits`` go through the kernel's :func:`~ead_llm.core.kernels.row_stats`: float32 rows on a CPU
-    where it runs. It reads a row three times for what torch's operations read six (a 49,152-token row's entropy and
-    most likely id: 0.10 against 0.53 ms, one thread), and its entropy is the closer to a float64 one's (1e-6 against
-    5e-5 bits over 151,936 tokens)."""
+    """Whether ``logits`` go through the kernel's per-row calls (:func:`~ead_llm.core.kernels.row_stats`,
+    :func:`~ead_llm.core.kernels.nucleus`): float32 rows on a CPU where it runs. ``row_stats`` reads a row three
+    times for what torch's operations read six (a 49,152-token row's entropy and most likely id: 0.10 against 0.53 ms,
+    one thread), and its entropy is the closer to a float64 one's (1e-6 against 5e-5 bits over 151,936 tokens)."""
     return (
         logits.device.type == "cpu"
         and logits.dtype == torch.float32
         and logits.dim() > 0
-        and logits.shape[-1] > 0
         and logits.numel() > 0
         and kernels.available()
     )
@@ -250,9 +249,7 @@ def native_nucleus(
     draw; the weights are the kernel's ``exp``). A row the kernel leaves (a NaN in it) gets the torch search's floor
     and token ``-1`` (the caller draws it its own way). A 151,936-token row with most of it in the nucleus: 0.55 ms for
     the floor and the draw, against 6.5 ms for torch's floor alone (one thread, 64 rows)."""
-    batch = len(scaled)
-    floor = torch.full((batch,), -torch.inf)
-    found, tokens = kernels.nucleus(scaled, floor, top_p, NUCLEUS_RTOL, None if u is None else u.reshape(batch))
+    found, tokens = kernels.nucleus(scaled, top_p, NUCLEUS_RTOL, None if u is None else u.reshape(len(scaled)))
     odd = torch.isnan(found).nonzero().flatten()
     if len(odd):
         none = torch.zeros(len(odd), dtype=torch.int64)

@@ -270,13 +270,13 @@ def _kernel_draw(
     (:func:`ead_llm.core.ops.native_nucleus`), the others (top-k rows) as it draws them."""
     whole = len(plain) == len(scaled)
     mine = scaled if whole else scaled[plain]
-    _, tokens = native_nucleus(mine, top_p if whole else top_p[plain], u=u if whole else u[plain])
+    mine_u = u if whole else u[plain]
+    floor, tokens = native_nucleus(mine, top_p if whole else top_p[plain], u=mine_u)
     assert tokens is not None
     odd = (tokens < 0).nonzero().flatten()
-    if len(odd):  # a row the kernel leaves (a NaN in it): torch's floor, a draw over the row
-        none = torch.zeros(len(odd), dtype=torch.int64)
-        kept_set = kept_floor(mine[odd], none, top_p[plain][odd], max_top_k=0, any_top_p=True)
-        tokens[odd] = inverse_cdf(kept_set.kept_weights(torch.arange(len(odd)), mine[odd]), u[plain][odd])[:, 0]
+    if len(odd):  # a row the kernel leaves (a NaN in it): the torch search's floor it gave, a draw over the row
+        weights = torch.where(mine[odd] >= floor[odd, None], torch.exp(mine[odd]), 0.0)
+        tokens[odd] = inverse_cdf(weights, mine_u[odd])[:, 0]
     if whole:
         return tokens
     drawn = torch.empty(len(scaled), dtype=torch.int64)

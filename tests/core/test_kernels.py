@@ -427,7 +427,6 @@ def test_nucleus_leaves_nan_rows_to_torch_and_the_sampler_still_draws_them() -> 
     scaled = ops.apply_temperature(logits, 0.8)
     floor, tokens = kernels.nucleus(
         scaled,
-        torch.full((3,), -torch.inf),
         torch.full((3,), 0.9),
         ops.NUCLEUS_RTOL,
         torch.rand(3, dtype=torch.float64),

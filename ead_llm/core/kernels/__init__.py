@@ -98,8 +98,7 @@ def _load() -> ctypes.CDLL | None:
     library.ead_attend.restype = int64
     library.ead_row_stats.argtypes = [pointer, int64, int64, int64, pointer, pointer]
     library.ead_row_stats.restype = None
-    library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, pointer, ctypes.c_double, pointer]
-    library.ead_nucleus.argtypes += [pointer, pointer]
+    library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer]
     library.ead_nucleus.restype = int64
     library.ead_rows_panel_width.restype = int64
     return library
@@ -314,21 +313,20 @@ def row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) 
 
 
 def nucleus(
-    scaled: torch.Tensor, floor: torch.Tensor, top_p: torch.Tensor, rtol: float, u: torch.Tensor | None = None
+    scaled: torch.Tensor, top_p: torch.Tensor, rtol: float, u: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each row's nucleus floor over ``scaled`` ``[B, V]`` (float32 CPU values at most 0: temperature applied, the
-    maximum at 0) at or above its ``floor`` ``[B]`` (top-k's; -inf: none) -> ``[B]`` float32, ``max(floor, nucleus)``:
-    the value whose strictly larger values weigh less than ``top_p * (1 - rtol)`` of the kept mass while those at or
-    above it reach it (ties kept), as :func:`ead_llm.core.ops.nucleus_by_digits` finds it, without a sort. With ``u``
-    ``[B]`` (float64 uniforms), also a token per row ``[B]`` drawn by inverse CDF in token-id order over the kept
-    tokens' weights. A row holding a NaN or a value above 0, or nothing kept, gets a NaN floor and token -1 (the caller
-    works it out its own way). Every row's numbers depend on that row alone."""
+    maximum at 0) -> ``[B]`` float32 (-inf where ``top_p`` is 1): the value whose strictly larger values weigh less
+    than ``top_p * (1 - rtol)`` of the mass while those at or above it reach it (ties kept), as
+    :func:`ead_llm.core.ops.nucleus_by_digits` finds it, without a sort. With ``u`` ``[B]`` (float64 uniforms), also a
+    token per row ``[B]`` drawn by inverse CDF in token-id order over the kept tokens' weights. A row holding a NaN or
+    a value above 0 gets a NaN floor and token -1 (the caller works it out its own way). Every row's numbers depend on
+    that row alone."""
     library, scaled = _rows_call(scaled, "nucleus")
     rows, vocab = scaled.shape
-    floor = floor.to(torch.float32).contiguous()
     top_p = top_p.to(torch.float32).contiguous()
-    if floor.shape != (rows,) or top_p.shape != (rows,) or (u is not None and u.numel() != rows):
-        raise ValueError(f"nucleus needs one floor, top_p (and u) per row of {rows}")
+    if top_p.shape != (rows,) or (u is not None and u.numel() != rows):
+        raise ValueError(f"nucleus needs one top_p (and u) per row of {rows}")
     out = torch.empty(rows, dtype=torch.float32)
     tokens = None if u is None else torch.empty(rows, dtype=torch.int64)
     draws = None if u is None else u.to(torch.float64).reshape(rows).contiguous()
@@ -338,7 +336,6 @@ def nucleus(
             rows,
             vocab,
             scaled.stride(0),
-            floor.data_ptr(),
             top_p.data_ptr(),
             rtol,
             None if draws is None else draws.data_ptr(),

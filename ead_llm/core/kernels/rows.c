@@ -417,19 +417,16 @@ static int64_t next_digit(const double *hist, int64_t bins, double *before, doub
 }
 
 /* Per row of scaled [rows][stride] (vocab values at most 0, temperature applied, the maximum at 0): the nucleus
- * floor over the values at or above the row's floor_in (top-k's; -inf: all), as ops.nucleus_by_digits finds it: the
- * value v whose strictly larger values weigh less than top_p * (1 - rtol) of the kept mass while those at or above it
+ * floor, as ops.nucleus_by_digits finds it: the value v whose strictly larger values weigh less than top_p * (1 - rtol) of the kept mass while those at or above it
  * reach it, found a digit of its magnitude bits at a time (13, 9, 9 bits) from float64 histograms of exp(value). It
- * writes max(floor_in, v) to floor_out (floor_in where top_p >= 1). With u (a uniform per row), it also draws token_out
+ * writes v to floor_out (-inf where top_p >= 1). With u (a uniform per row), it also draws token_out
  * by inverse CDF over the kept values' weights in token-id order: the first token whose cumulative weight exceeds u
  * times their total (blocks of 512 summed in eight lanes, the blocks and the tokens of the block the draw falls in
  * added in float64; the block's last kept token where rounding runs past its end). The weights are exp8's, zero
  * below -87 (float32's exp there is below 1e-37 of the maximum's). Every row's numbers
- * depend on that row alone. A row holding a NaN or a value above 0, or no weight at or above floor_in, gets a NaN
- * floor and token -1 (the caller works it out its own way). Returns 0, or -1 when the scratch could not be
+ * depend on that row alone. A row holding a NaN or a value above 0, or no weight, gets a NaN floor and token -1 (the caller works it out its own way). Returns 0, or -1 when the scratch could not be
  * allocated. */
-int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t stride, const float *floor_in,
-                    const float *top_p, double rtol, const double *u, float *floor_out, int64_t *token_out) {
+int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t stride, const float *top_p, double rtol, const double *u, float *floor_out, int64_t *token_out) {
     float *weights = (float *)malloc((size_t)vocab * sizeof(float));
     uint32_t *keys = (uint32_t *)malloc((size_t)vocab * sizeof(uint32_t));
     float *mass = (float *)malloc((size_t)vocab * sizeof(float));
@@ -445,10 +442,9 @@ int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t st
     }
     for (int64_t r = 0; r < rows; r++) {
         const float *row = scaled + r * stride;
-        const float low = floor_in[r];
         double total = 0.0;
         int odd = 0; /* a NaN or a value above 0 */
-        const __m256 least = _mm256_set1_ps(low > -87.0f ? low : -87.0f), zero = _mm256_setzero_ps();
+        const __m256 least = _mm256_set1_ps(-87.0f), zero = _mm256_setzero_ps();
         __m256 bad = zero;
         int64_t i = 0;
         while (i + 8 <= vocab) { /* weights in eight lanes, summed over blocks of 512 into a double */
@@ -466,7 +462,7 @@ int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t st
         odd = _mm256_movemask_ps(bad) != 0;
         for (; i < vocab; i++) {
             odd |= !(row[i] <= 0.0f);
-            weights[i] = row[i] >= low && row[i] >= -87.0f ? expf(row[i]) : 0.0f;
+            weights[i] = row[i] >= -87.0f ? expf(row[i]) : 0.0f;
             total += (double)weights[i];
         }
         if (odd || !(total > 0.0)) { /* the caller works such a row out its own way */
@@ -474,7 +470,7 @@ int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t st
             if (token_out) token_out[r] = -1;
             continue;
         }
-        float floor = low;
+        float floor = -INFINITY;
         if (top_p[r] < 1.0f) {
             const double threshold = (double)top_p[r] * total * (1.0 - rtol);
             double before = 0.0;
@@ -505,8 +501,7 @@ int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t st
             }
             float edge;
             memcpy(&edge, &prefix, sizeof(edge));
-            edge = -edge;
-            floor = edge > low ? edge : low;
+            floor = -edge;
         }
         floor_out[r] = floor;
         if (!u || !token_out) continue;
