@@ -21,9 +21,12 @@ keys and values (``write``) and reads each row's history inside the attention (`
 
 Prefix caching (the scheduler matches at admission and commits each step): a full block whose tokens are final
 is registered (``commit``) under the hash chain of the tokens up to its end, so that another sequence
-starting with the same tokens shares it (``match``) instead of computing it again. A registered block that
-nobody holds stays cached (idle, least recently used first) until a block is needed and none is free; a
-registered block is never written again (a sequence that would write into it gets a private copy).
+starting with the same tokens shares it (``match``) instead of computing it again. Only prompt positions are
+committed: the model runner attends a prompt block by block (:class:`~ead_llm.core.model_runner.PromptAttention`),
+so a cached block holds the bits a fresh pass over the same prompt computes, and a prompt reads the same bits with
+or without a hit (an answer's positions, computed as decode steps, would not). A registered block that nobody holds
+stays cached (idle, least recently used first) until a block is needed and none is free; a registered block is never
+written again (a sequence that would write into it gets a private copy).
 """
 
 from __future__ import annotations

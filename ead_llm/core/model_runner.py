@@ -6,8 +6,9 @@ position ids, so the projections and MLPs run on real tokens only, decode and ca
 together. Attention is the only part that needs each row's history: the model's attention layers
 call :func:`paged_attention` (registered with transformers' ``AttentionInterface``), which writes
 the pass's new keys and values into the paged :class:`~ead_llm.core.kv_cache.KVCache` and attends
-each row over its own positions: a row whose history is all new (a prefill) over the pass's own keys with a
-causal kernel; each short decode row's query batched with those of the same padded length (:data:`BUCKET`), a
+each row over its own positions: a prompt's positions block by block, each block over the keys up to its end
+(:class:`PromptAttention`: the same bits with or without a prefix-cache hit); each short decode row's query
+batched with those of the same padded length (:data:`BUCKET`), a
 row alone in its call read over a view of its blocks where they lie in order (the cache keeps room for that);
 long decode rows, and rows feeding several tokens (a verification, a catch-up), alone, their history cut at fixed
 positions (:data:`SPLIT`), each piece read over a view where its blocks lie in order, else copied. Each row's
@@ -134,16 +135,30 @@ step about 2 ms slower than with caching off, where merging its runs was about e
 
 @dataclass(frozen=True)
 class RowAttention:
-    """One row attended alone: over its history in fixed pieces (views where they lie in order, else copies), or,
-    when all of its history is new in this pass, over the pass's own keys (causal, as in a model's forward)."""
+    """One row attended alone over its history in fixed pieces (views where they lie in order, else copies)."""
 
     queries: slice
     """Packed positions of its new tokens (then its siblings)."""
-    pieces: tuple[slice | torch.Tensor, ...] | None
+    pieces: tuple[slice | torch.Tensor, ...]
     """Flat cache slots of its positions 0..end, one entry per :data:`SPLIT` positions: a range (read over a view)
-    or the slots themselves (copied); None: its keys are the pass's own at ``queries``."""
+    or the slots themselves (copied)."""
     mask: torch.Tensor | None
     """[1, 1, W, L] bool for several new tokens (each sees the positions up to its own) or siblings."""
+
+
+@dataclass(frozen=True)
+class PromptAttention:
+    """A row's prompt positions ``start..stop`` attended block by block (chunks of the cache's block size, on its
+    grid): the queries of chunk ``[s, e)`` over the row's keys ``0..e`` read from the cache, each seeing those up to
+    its own. A chunk's call depends on its positions and tokens alone, not on which of them this pass computes, so
+    a prompt whose first blocks came from the prefix cache reads the same bits as one computed whole (one causal
+    call would round its queries by how many it holds)."""
+
+    queries: slice
+    """Packed positions of its tokens ``start..stop``."""
+    start: int
+    keys: slice | torch.Tensor
+    """Flat cache slots of positions ``0..stop``: a range where its blocks lie in order (a view), else the slots."""
 
 
 ROWS_ALIKE_KEYS = (48, 496)
@@ -273,6 +288,67 @@ _CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 """The CPU's fused attention kernel: ``(output [B, H, W, D], logsumexp [B, H, W])``."""
 
 
+class ChunkMasks:
+    """The additive masks of :func:`prompt_attention`'s chunks, built once per chunk size, query heads per key head,
+    dtype and device (and again, twice as long, when a longer prompt comes): ``chunk`` rows over ``length`` keys, row
+    ``i`` open (0) up to key ``length - chunk + i`` and -inf after, repeated once per query head of a group."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(
+        self, chunk: int, groups: int, queries: int, keys: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """``[groups * queries, keys]``: row ``g * queries + i`` (position ``keys - queries + i``) sees the keys up
+        to its own; a view for a whole chunk."""
+        name = (chunk, groups, dtype, device)
+        full = self._masks.get(name)
+        if full is None or full.shape[1] < keys:
+            length = max(keys, 256, 0 if full is None else 2 * full.shape[1])
+            columns = torch.arange(length, device=device)
+            closed = columns[None] > columns[length - chunk :, None]
+            full = torch.zeros(closed.shape, dtype=dtype, device=device).masked_fill_(closed, float("-inf"))
+            full = self._masks[name] = full.repeat(groups, 1)
+        length = full.shape[1]
+        if queries == chunk:
+            return full[:, length - keys :]
+        return full[chunk - queries : chunk, length - keys :].repeat(groups, 1)
+
+
+def prompt_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    start: int,
+    chunk: int,
+    masks: ChunkMasks,
+    scaling: float | None,
+) -> torch.Tensor:
+    """:class:`PromptAttention`: ``[1, H, W, D]`` for one row's queries ``[1, H, W, D]`` at positions ``start..start
+    + W`` over its keys and values ``[1, Hkv, start + W, D]``, one call per chunk of the grid. On the CPU a group's
+    query heads are folded into one key head's rows (keys read once per key head, as in :func:`_folded`)."""
+    _, heads, width, dim = query.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    cpu = query.device.type == "cpu"
+    out = torch.empty_like(query)
+    begin = start
+    while begin < start + width:
+        end = min((begin // chunk + 1) * chunk, start + width)
+        count = end - begin
+        part = query[:, :, begin - start : end - start]
+        mask = masks.get(chunk, groups if cpu else 1, count, end, query.dtype, query.device)
+        seen = keys[:, :, :end], values[:, :, :end]
+        if cpu:
+            folded = part.reshape(1, kv_heads, groups * count, dim)
+            got = _CPU_ATTENTION(folded, *seen, attn_mask=mask, scale=scaling)[0].reshape(1, heads, count, dim)
+        else:
+            got = attention(part, *seen, mask, scaling, alone=True)
+        out[:, :, begin - start : end - start] = got
+        begin = end
+    return out
+
+
 @dataclass(frozen=True)
 class NativeQueries:
     """The queries of a pass that ead-llm's own attention kernel runs over the cache where it lies
@@ -301,10 +377,10 @@ class PackedBatch:
     """Position of each row's first new token."""
     blocks: tuple[list[int], ...]
     """Each row's block table, in packed order."""
-    alone: tuple[RowAttention, ...] = ()
-    """Rows attended one by one without copies (the others are in ``groups``)."""
-    fresh: list[torch.Tensor] = field(default_factory=list)
-    """The layer's new keys and values ``[1, Hkv, T, D]`` once written (what rows with no history attend to)."""
+    alone: tuple[RowAttention | PromptAttention, ...] = ()
+    """Rows attended one by one (the others are in ``groups``)."""
+    masks: ChunkMasks | None = None
+    """The chunk masks of :class:`PromptAttention` rows."""
     scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     """Each group's keys and values, copied into the same storage for every layer (a fresh buffer per call costs a
     page-faulted allocation once it passes the allocator's mapping threshold)."""
@@ -323,7 +399,6 @@ class PackedBatch:
         """Store a layer's new keys/values ``[1, H, T, D]``."""
         where = self.write_span if self.write_span is not None else self.write_slots
         self.cache.write(layer, where, keys[0].transpose(0, 1), values[0].transpose(0, 1))
-        self.fresh[:] = (keys, values)
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """Attention output ``[1, T, H, D]`` for packed queries ``[1, H, T, D]``."""
@@ -364,12 +439,19 @@ class PackedBatch:
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         return kernels.attend(query, keys, values, native.tables, native.meta, self.cache.block_size, scale)
 
-    def _attend_row(self, layer: int, row: RowAttention, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    def _attend_row(
+        self, layer: int, row: RowAttention | PromptAttention, query: torch.Tensor, scaling: float | None
+    ) -> torch.Tensor:
         """``[1, H, W, D]`` attention of one row's queries (``query``: the pass's ``[1, H, T, D]``)."""
         rows_q = query[:, :, row.queries]
-        if row.pieces is None:
-            keys, values = (tensor[:, :, row.queries] for tensor in self.fresh)
-            return attention(rows_q, keys, values, None, scaling, causal=rows_q.shape[2] > 1, alone=True)
+        if isinstance(row, PromptAttention):
+            assert self.masks is not None
+            keys, values = (
+                self.cache.view(layer, row.keys)
+                if isinstance(row.keys, slice)
+                else self.cache.gather(layer, row.keys[None])
+            )
+            return prompt_attention(rows_q, keys, values, row.start, self.cache.block_size, self.masks, scaling)
         pieces = [
             self.cache.view(layer, piece) if isinstance(piece, slice) else self.cache.gather(layer, piece[None])
             for piece in row.pieces
@@ -477,9 +559,9 @@ class PassRow:
     after the row's own. Read only where those slots are reserved (else none are, and :attr:`RunnerOutput.siblings`
     says so)."""
     prompt: int = 0
-    """How many of its first tokens are its prompt (0: not said). Under exact verification, a row fed from its start
-    attends its prompt causally and every later token (drafts, or what a preempted sequence had generated) as a decode
-    step, as they were computed the first time."""
+    """How many of its first tokens are its prompt (0: not said), attended block by block (:class:`PromptAttention`).
+    Under exact verification, every later token (drafts, or what a preempted sequence had generated) is attended as
+    a decode step, as they were computed the first time."""
 
 
 @dataclass
@@ -597,6 +679,7 @@ class ModelRunner:
         self._no_mask = torch.zeros((1, 1, 1, 1), dtype=torch.bool, device=device)
         self._block_offsets = torch.arange(cache.block_size, device=device)
         self._edges = torch.zeros(0, device=device)
+        self._chunk_masks = ChunkMasks()
         self.exact_verification = False
         """Whether a row's tokens past a one-token decode each attend as a decode step would (:data:`AS_DECODE_MAX`);
         off, only one-token rows do."""
@@ -609,7 +692,8 @@ class ModelRunner:
         )
         """Whether every query past a row's prompt runs through ead-llm's own attention kernel, as a decode step at
         its position, over the cache where it lies (:func:`ead_llm.core.kernels.attend`): where the kernel builds, for
-        the fused float32 models, whose layers hand it their queries (prompts keep torch's fused attention)."""
+        the fused float32 models, whose layers hand it their queries (prompts keep torch's fused attention, in
+        chunks)."""
 
     @property
     def draft_bfloat16(self) -> bool:
@@ -767,7 +851,7 @@ class ModelRunner:
         ordered: list[PassRow] = []
         offsets: list[int] = []  # packed offset of each ordered row
         counts: list[int] = []
-        alone: list[RowAttention] = []
+        alone: list[RowAttention | PromptAttention] = []
         gathered: dict[tuple[int, int, int], list[tuple[PassRow, Queries]]] = {}  # (padded length, width, owner)
         native: list[int] = []  # packed index of each query the attention kernel runs
         meta: list[int] = []  # its row table's offset in tables, positions seen, own slot (NativeQueries.meta)
@@ -805,7 +889,7 @@ class ModelRunner:
                 ids.extend(row.siblings)
                 positions.extend(range(end - drafts, end - drafts + extra))
                 slots.extend(self.cache.slots(blocks, range(end, end + extra)))
-            if count == 1 and start and self.native_attention:  # a decode row (no siblings: they are a count's)
+            if count == 1 and start >= max(1, row.prompt) and self.native_attention:  # a decode row, past its prompt
                 native.append(at)
                 meta.extend((len(tables), end, -1))
                 tables.extend(blocks)
@@ -814,7 +898,7 @@ class ModelRunner:
                 continue
             table = -1
             for unit in self._plan(row, at, count, extra):
-                if isinstance(unit, RowAttention):
+                if isinstance(unit, (RowAttention, PromptAttention)):
                     alone.append(unit)
                 elif self.native_attention:  # each query as a decode step, over the row's table
                     if table < 0:
@@ -846,6 +930,7 @@ class ModelRunner:
             starts=tuple(row.kv.length for row in ordered),
             blocks=tuple(row.kv.blocks for row in ordered),
             alone=tuple(alone),
+            masks=self._chunk_masks,
             native=None
             if not native
             else NativeQueries(
@@ -862,7 +947,9 @@ class ModelRunner:
                 keep.extend(range(end - row.read, end + extra))
         return batch, inputs[0], inputs[1], upload(keep, torch.long, self.device), order, siblings
 
-    def _plan(self, row: PassRow, offset: int, count: int, extra: int) -> list[RowAttention | Queries]:
+    def _plan(
+        self, row: PassRow, offset: int, count: int, extra: int
+    ) -> list[RowAttention | PromptAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
         attended: a prompt over the pass's own keys (causal); each as a decode step at its position: a decode step's
         token, every token after a history with its siblings under :attr:`native_attention`, and under
@@ -874,25 +961,38 @@ class ModelRunner:
         end = start + count
         drafts = row.read - 1  # a verification's drafts are the row's last tokens
         exact = self.exact_verification
-        if start == 0:
-            if exact and row.prompt:
-                head = min(count, row.prompt)
-            else:
-                head = count - (drafts if exact and 0 < drafts <= AS_DECODE_MAX else 0)
-            prompt = RowAttention(slice(offset, offset + head), None, None)
-            return [prompt, *(Queries(offset + j, j + 1) for j in range(head, count))]
+        if row.prompt:
+            stop = min(end, max(start, row.prompt))
+        else:  # not said: a first pass's tokens are its prompt, but for drafts attended as decode steps
+            stop = end - (drafts if exact and 0 < drafts <= AS_DECODE_MAX else 0) if start == 0 else start
+        units: list[RowAttention | PromptAttention | Queries] = []
+        if stop > start:
+            units.append(PromptAttention(slice(offset, offset + stop - start), start, self._span(row.kv.blocks, stop)))
+            offset, start, count = offset + stop - start, stop, end - stop
+            if not count:
+                return units
         as_decode = exact and (count + extra <= AS_DECODE_MAX or start >= row.prompt > 0)
         if count + extra == 1 or as_decode or self.native_attention:
-            queries: list[RowAttention | Queries] = [Queries(offset + j, start + j + 1) for j in range(count)]
+            units += [Queries(offset + j, start + j + 1) for j in range(count)]
             if extra:  # sibling d at draft d's position, its keys at slot end + d
                 slots = self.cache.slots(row.kv.blocks, range(end, end + extra))
-                queries += [Queries(offset + count + d, end - drafts + d + 1, own=slots[d]) for d in range(extra)]
-            return queries
+                units += [Queries(offset + count + d, end - drafts + d + 1, own=slots[d]) for d in range(extra)]
+            return units
         if not extra and end < VIEW_MIN:
-            return [Queries(offset, start + 1, width=count)]
+            return [*units, Queries(offset, start + 1, width=count)]
         # each new token sees the positions up to its own (and each sibling those before its draft's, and itself)
         mask = tree_mask(start, end, drafts, extra, self.device)
-        return [RowAttention(slice(offset, offset + count + extra), self._pieces(row.kv.blocks, end + extra), mask)]
+        pieces = self._pieces(row.kv.blocks, end + extra)
+        return [*units, RowAttention(slice(offset, offset + count + extra), pieces, mask)]
+
+    def _span(self, blocks: list[int], reach: int) -> slice | torch.Tensor:
+        """The flat slots of positions ``0..reach`` of a row with this block table: a range where its blocks lie in
+        order, else the slots themselves."""
+        size = self.cache.block_size
+        first = in_order(blocks, self.cache.blocks_for(reach))
+        if first is not None:
+            return slice(first * size, first * size + reach)
+        return upload(self.cache.slots(blocks, range(reach)), torch.long, self.device)
 
     def _pieces(self, blocks: list[int], reach: int, own: int | None = None) -> tuple[slice | torch.Tensor, ...]:
         """The flat slots of positions ``0..reach`` of a row with this block table, cut at every multiple of

@@ -402,7 +402,7 @@ class Scheduler:
         self.drop_cancelled()
         if self.prefix_caching:
             for seq in self.running:  # finished ones too: their blocks stay cached for the next call
-                final = seq.tokens[: seq.prompt_len + seq.generated]  # drafts are not final
+                final = seq.tokens[: seq.prompt_len]  # its prompt's: see KVCache.chunk
                 for role, kv in seq.kv.items():
                     self.caches[role].commit(kv, final)
         for seq in self.running:

@@ -1,9 +1,6 @@
 """Batch invariance: a request's every number (tokens, entropies, the large model's hidden states) is the same bits
-alone and beside other requests, whatever rows share its passes and wherever its blocks lie.
-
-Prefix caching is off here: a prompt whose first blocks were cached by an earlier call attends its remaining
-positions over the cached keys, where the first call ran one causal pass over the whole prompt; the two sum in
-another order (the last bits of its logits differ, its text almost never). That is a known limit, not covered."""
+alone and beside other requests, whatever rows share its passes and wherever its blocks lie. Prefix caching is on:
+the later calls find the first calls' prompts cached (tests/core/test_prefix_cache.py tries the hits themselves)."""
 
 from __future__ import annotations
 
@@ -47,7 +44,6 @@ def test_a_requests_numbers_are_the_same_bits_alone_and_in_a_batch(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # before the engine's thread starts, which takes the setting then
     engine = Engine(llama_pair, return_hidden_states=True)
-    engine.prefix_caching = False  # a hit changes how a prompt's last positions are attended: see the docstring
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (5, 17, 30, 44, 9)]
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
@@ -79,7 +75,6 @@ def test_a_verification_computes_every_position_as_a_decode_step_would(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     engine = Engine(llama_pair, return_hidden_states=True, exact_verification=True)
-    engine.prefix_caching = False
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (6, 19, 33, 47)]
     params = SamplingParams(max_tokens=40, ignore_eos=True)
@@ -128,9 +123,9 @@ def test_exact_verification_follows_the_large_models_size_unless_told_and_takes_
 )
 def test_a_preempted_request_gets_the_same_bits_under_exact_verification(llama_pair: ModelPair, policy: Policy) -> None:
     """A request preempted under a tight KV budget is fed again from its start: its prompt causally and each token it
-    had generated as a decode step, as they were first computed, so its numbers are the bits it gets alone (prefix
-    caching off: a hit inside the prompt is the prefix cache's own exception). Without exact verification the
-    generated positions round as a prefill's and the hidden states differ."""
+    had generated as a decode step, as they were first computed, so its numbers are the bits it gets alone (where
+    its prompt's first blocks are still cached, over them). Without exact verification the generated positions
+    round as a prefill's and the hidden states differ."""
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist() for n in (5, 9, 13, 7, 11, 6)]
     params = SamplingParams(max_tokens=40, ignore_eos=True, temperature=1.0, seed=5)
@@ -143,8 +138,6 @@ def test_a_preempted_request_gets_the_same_bits_under_exact_verification(llama_p
         return_hidden_states=True,
         exact_verification=True,
     )
-    for engine in (alone, tight):
-        engine.prefix_caching = False
     try:
         expected = [alone.generate([Request(p, policy, params)])[0] for p in prompts]
         done = tight.generate([Request(p, policy, params) for p in prompts])

@@ -174,11 +174,12 @@ def test_characters_outside_the_vocabulary_are_named_in_a_warning() -> None:
 def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
     llama_pair: ModelPair, native: bool, monkeypatch: pytest.MonkeyPatch, packed: list[PackedBatch]
 ) -> None:
-    """Four long prompts decoded together: their prefills attend over the pass's own keys, and the scheduler keeps
+    """Four long prompts decoded together: their prefills attend in a prompt's chunks, and the scheduler keeps
     room after each row's blocks, so every later step reads each row's history where it lies (no row is ever
     copied into a batch: over views with torch's attention, through its block table with ead-llm's own); each still
     gives generate()'s tokens. (Rows count as long from 128 positions here: the tiny pair's context is 512.)"""
     from ead_llm.core import kernels, model_runner
+    from ead_llm.core.model_runner import PromptAttention, RowAttention
 
     monkeypatch.setattr(model_runner, "VIEW_MIN", 128)
     if native and not kernels.available():
@@ -193,8 +194,8 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
         assert list(completion.token_ids) == hf_greedy(llama_pair, Role.LARGE, prompt, 40)
     units = [unit for batch in packed for unit in batch.alone]
     assert not any(batch.groups for batch in packed)
-    fresh = [u for u in units if u.pieces is None]
-    views = [u for u in units if u.pieces is not None]
+    fresh = [u for u in units if isinstance(u, PromptAttention)]
+    views = [u for u in units if isinstance(u, RowAttention)]
     if native:
         assert len(fresh) == len(units) == 4 and sum(batch.native is not None for batch in packed) >= 5
         assert all(len(batch.native.meta) == 4 * 3 for batch in packed if batch.native is not None)  # 4 rows each

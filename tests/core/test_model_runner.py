@@ -10,7 +10,7 @@ import torch
 from ead_llm.core import kernels, model_runner
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import ModelPair
-from ead_llm.core.model_runner import ModelRunner, PackedBatch, PassRow
+from ead_llm.core.model_runner import ModelRunner, PackedBatch, PassRow, PromptAttention, RowAttention
 from ead_llm.core.types import Role
 
 NATIVE = pytest.mark.parametrize("native", [False, True], ids=["torch-attention", "own-attention"])
@@ -39,7 +39,7 @@ def test_packed_passes_match_the_models_own_logits(
 ) -> None:
     """Queries attended alone over views of their rows' blocks (every row here, with room kept after each),
     queries batched by padded length, and queries run by ead-llm's own attention kernel where the cache holds their
-    keys give the model's own logits; so do prefills over the pass's own keys, and rows whose new tokens attend
+    keys give the model's own logits; so do prefills (a prompt's chunks), and rows whose new tokens attend
     together (without exact verification, every row feeding several)."""
     in_place = path == "views"
     monkeypatch.setattr(model_runner, "VIEW_MIN", 0 if in_place else 10**9)
@@ -71,8 +71,8 @@ def test_packed_passes_match_the_models_own_logits(
     assert all(kv.length == len(tokens) for kv, tokens in zip(kvs, seqs, strict=True))
     assert runner.retried_passes == 0  # no pass failed and was bisected
     alone = [unit for batch in packed for unit in batch.alone]
-    fresh = sum(1 for unit in alone if unit.pieces is None)
-    read = [unit for unit in alone if unit.pieces is not None]
+    fresh = sum(1 for unit in alone if isinstance(unit, PromptAttention))
+    read = [unit for unit in alone if isinstance(unit, RowAttention)]
     batched = sum(len(group.mask) for batch in packed for group in batch.groups)
     assert fresh == len(seqs)  # the first pass: no history to read
     if path == "native":  # every query past the prompts, whether or not verification is exact
@@ -196,12 +196,12 @@ def test_a_row_reads_the_same_bits_wherever_its_blocks_lie(
         got = [runner.execute([PassRow(kv, tokens[:end], read=end - kv.length)]).rows(0) for kv in kvs]
         assert torch.allclose(got[0], want[end - got[0].shape[0] : end], atol=1e-4)
         assert torch.equal(got[0], got[1])
-    assert packed[0].alone[0].pieces is None  # the prefill attends over its own keys
+    assert isinstance(packed[0].alone[0], PromptAttention)  # the prefill: a prompt's chunks
     if native:  # every later query through the kernel, over the cache where it lies
         assert all(batch.native is not None and not batch.alone and not batch.groups for batch in packed[2:])
         return
-    copied = [p for batch in packed[2::2] for u in batch.alone for p in u.pieces or () if isinstance(p, torch.Tensor)]
-    assert copied and all(isinstance(p, slice) for batch in packed[3::2] for u in batch.alone for p in u.pieces or ())
+    copied = [p for batch in packed[2::2] for u in batch.alone for p in u.pieces if isinstance(p, torch.Tensor)]
+    assert copied and all(isinstance(p, slice) for batch in packed[3::2] for u in batch.alone for p in u.pieces)
 
 
 def _reference_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from ead_llm import EAD, EAGER, LargeOnly, SpeculativeDecoding
 from ead_llm.accounting.ledger import Pricing
 from ead_llm.core.engine import Engine
+from ead_llm.core.loading import ModelPair
 from ead_llm.core.request import Request, SamplingParams
 from ead_llm.core.types import Role
 from ead_llm.policies.base import Policy
@@ -127,3 +129,67 @@ def test_langchain_and_dspy_report_cached_prompt_tokens(llama_paths) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] == lm.history[-1]["ead_cost"]["large_cached_tokens"] > 0
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert isinstance(lm, dspy.BaseLM)
+
+
+@pytest.mark.parametrize(
+    "policy", [LargeOnly(), EAD(threshold=0.3), SpeculativeDecoding(gamma=3)], ids=lambda p: p.name
+)
+@pytest.mark.parametrize("native", [True, False], ids=["own-attention-kernel", "torch-attention"])
+def test_a_hit_reads_the_same_bits_as_the_prompt_computed_whole(
+    llama_pair: ModelPair, policy: Policy, native: bool
+) -> None:
+    """Sampled requests whose prompts start alike, cold then warm (hits leaving 1, 2 or 4 positions, of blocks the
+    cold call's prompts cached; and a new prompt's hit on another's blocks, leaving 11): every token, entropy and
+    hidden state is the bits it gets with caching off. (Before prompts were attended in chunks, a hit's last
+    positions were attended over the cached keys, summed in another order than the cold call's one causal pass: 6 of
+    64 sampled rows of a big-vocabulary pair changed tokens; and a hit leaving one position attended it as a decode
+    step.)"""
+    gen = torch.Generator().manual_seed(11)
+
+    def tokens(n: int) -> list[int]:
+        return torch.randint(4, llama_pair.vocab_size, (n,), generator=gen).tolist()
+
+    shared = tokens(40)
+    prompts = [shared[:33], [*shared[:17], *tokens(1)], [*shared, *tokens(9)], [*shared[:32], *tokens(20)]]
+    prompts.append([*shared[:40], *tokens(3)])  # in the warm call only
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=7, ignore_eos=True)
+    engines = [Engine(llama_pair, return_hidden_states=True) for _ in range(2)]
+    engines[0].prefix_caching = False
+    for engine in engines:
+        for runner in engine.runners.values():
+            runner.native_attention = native and runner.native_attention
+    try:
+        plain = engines[0].generate([Request(p, policy, params) for p in prompts])
+        cold = engines[1].generate([Request(p, policy, params) for p in prompts[:4]])
+        warm = engines[1].generate([Request(p, policy, params) for p in reversed(prompts)])[::-1]
+    finally:
+        for engine in engines:
+            engine.close()
+    assert [c.cost.large_cached_tokens for c in warm] == [32, 16, 48, 48, 32]
+    for expected in (plain, cold):
+        for a, b in zip(expected, warm, strict=False):
+            assert a.token_ids == b.token_ids and a.roles == b.roles and a.entropies == b.entropies
+            assert a.hidden_states is not None and b.hidden_states is not None
+            torch.testing.assert_close(a.hidden_states, b.hidden_states, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_prompt_that_extends_an_answer_reads_the_answer_as_a_prompt(llama_pair: ModelPair) -> None:
+    """A conversation's next prompt holds the last answer: the answer's positions were computed as decode steps, in
+    other sums than a prompt's chunks, so only prompt blocks are cached and the next prompt computes the answer's
+    positions as a prompt: its bits are those it gets with caching off (its hit ends where the first prompt did)."""
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(4, llama_pair.vocab_size, (37,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=2, ignore_eos=True)
+    engines = [Engine(llama_pair, return_hidden_states=True) for _ in range(2)]
+    engines[0].prefix_caching = False
+    try:
+        answer = engines[1].generate([Request(first, LargeOnly(), params)])[0].token_ids
+        following = [*first, *answer, *torch.randint(4, llama_pair.vocab_size, (5,), generator=gen).tolist()]
+        got, expected = (e.generate([Request(following, LargeOnly(), params)])[0] for e in reversed(engines))
+    finally:
+        for engine in engines:
+            engine.close()
+    assert got.cost.large_cached_tokens == 32  # the first prompt's whole blocks, none of the answer's
+    assert got.token_ids == expected.token_ids and got.entropies == expected.entropies
+    assert got.hidden_states is not None and expected.hidden_states is not None
+    torch.testing.assert_close(got.hidden_states, expected.hidden_states, rtol=0, atol=0, equal_nan=True)
