@@ -51,12 +51,31 @@ def entropy_bits(logits: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     if not on_kernel(logits):
         return _entropy_bits(logits)
+    return _row_stats(logits, best=False)[0]
+
+
+def entropy_and_best(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`entropy_bits` and :func:`best` of ``logits`` ``[..., V]`` together: one read of the rows fewer through
+    the kernel (a greedy pass's sampler)."""
+    if not on_kernel(logits):
+        return entropy_bits(logits), best(logits)
+    return _row_stats(logits)
+
+
+def _row_stats(logits: torch.Tensor, *, entropy: bool = True, best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's entropy and most likely id of float32 ``logits`` ``[..., V]`` (each ``[...]``; what is not asked
+    for is left empty); rows holding a NaN or +inf, or nothing above -inf, get torch's formula and rule
+    (:func:`_entropy_bits`, ``max``'s index)."""
     rows = logits.reshape(-1, logits.shape[-1])
-    bits = kernels.row_stats(rows, best=False)[0]
-    odd = torch.isnan(bits)  # a NaN or +inf in the row, or nothing above -inf: torch's formula decides
+    bits, ids = kernels.row_stats(rows, entropy=entropy, best=best)
+    odd = torch.isnan(bits) if entropy else ids < 0
     if bool(odd.any()):
-        bits[odd] = _entropy_bits(rows[odd])
-    return bits.reshape(logits.shape[:-1])
+        if entropy:
+            bits[odd] = _entropy_bits(rows[odd])
+        if best:
+            ids[odd] = rows[odd].max(dim=-1).indices
+    shape = logits.shape[:-1]
+    return bits.reshape(shape) if entropy else bits, ids.reshape(shape) if best else ids
 
 
 def _entropy_bits(logits: torch.Tensor) -> torch.Tensor:
@@ -390,12 +409,7 @@ def best(logits: torch.Tensor) -> torch.Tensor:
     third of ``argmax``'s time."""
     if not on_kernel(logits):
         return logits.max(dim=-1).indices
-    rows = logits.reshape(-1, logits.shape[-1])
-    ids = kernels.row_stats(rows, entropy=False)[1]
-    odd = ids < 0  # a NaN or +inf in the row, or nothing above -inf: torch's rule decides
-    if bool(odd.any()):
-        ids[odd] = rows[odd].max(dim=-1).indices
-    return ids.reshape(logits.shape[:-1])
+    return _row_stats(logits, entropy=False)[1]
 
 
 def top_two(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

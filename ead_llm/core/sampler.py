@@ -24,6 +24,7 @@ from ead_llm.core.ops import (
     apply_temperature,
     best,
     candidate_width,
+    entropy_and_best,
     entropy_bits,
     kept_floor,
     native_nucleus,
@@ -204,8 +205,9 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     else over the vocabulary. Which of the two depends on the row alone, so a seed's draws never depend on
     the batch (nor on the :func:`row_blocks` the rows are drawn in). On a device whose filter sorts rows whole (a
     GPU: :func:`ead_llm.core.ops.sorts_whole_rows`) every row draws over the vocabulary, so that no step looks at
-    the data. Where the kernel runs, a top-p row without top-k takes its floor and draw from it
-    (:func:`ead_llm.core.ops.native_nucleus`: the same kept set, drawn over the vocabulary in token order)."""
+    the data. Where the kernel runs, a row without top-k takes its floor and draw from it
+    (:func:`ead_llm.core.ops.native_nucleus`: the same kept set, every token at top-p 1, drawn over the vocabulary in
+    token order)."""
     if meta.all_greedy:
         return best(logits)  # [B], the first of equal maxima
     rows = meta.sampled_rows  # only the sampled rows are filtered
@@ -228,7 +230,7 @@ def _draw(logits: torch.Tensor, meta: SamplingMetadata, block: slice | None = No
 
     scaled = apply_temperature(pick(logits), pick(meta.temperature)[:, None])  # [S, V]
     u = uniforms(pick(meta.keys), pick(meta.positions), LANE_SAMPLE, 1)  # [S, 1]
-    if not meta.max_top_k and not meta.any_top_p:
+    if not meta.max_top_k and not meta.any_top_p and not on_kernel(scaled):
         return inverse_cdf(torch.exp(scaled), u)[:, 0]
     return _filtered_draw(scaled, pick(meta.top_k), pick(meta.top_p), u, meta)
 
@@ -238,8 +240,8 @@ def _filtered_draw(
 ) -> torch.Tensor:
     """One draw per row of ``scaled`` ``[S, V]`` from its kept set (see :func:`sample`)."""
     vocab = scaled.shape[-1]
-    plain = top_k <= 0  # top-p rows without top-k: the kernel's floor and draw, where it runs
-    if meta.any_top_p and not sorts_whole_rows(scaled) and on_kernel(scaled) and bool(plain.any()):
+    plain = top_k <= 0  # rows without top-k: the kernel's floor (-inf at top-p 1) and draw, where it runs
+    if not sorts_whole_rows(scaled) and on_kernel(scaled) and bool(plain.any()):
         return _kernel_draw(scaled, top_k, top_p, u, meta, plain.nonzero().flatten())
     kept_set = kept_floor(scaled, top_k, top_p, max_top_k=meta.max_top_k, any_top_p=meta.any_top_p)
     floor, values, ids = kept_set.floor, kept_set.values, kept_set.ids
@@ -266,7 +268,7 @@ def _kernel_draw(
     meta: SamplingMetadata,
     plain: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`_filtered_draw` with its ``plain`` rows (top-p without top-k) drawn by the kernel
+    """:func:`_filtered_draw` with its ``plain`` rows (without top-k) drawn by the kernel
     (:func:`ead_llm.core.ops.native_nucleus`), the others (top-k rows) as it draws them."""
     whole = len(plain) == len(scaled)
     mine = scaled if whole else scaled[plain]
@@ -292,6 +294,13 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits``: [B, V] float32 raw logits of the producing model."""
         blocks = row_blocks(len(logits), logits.shape[-1], logits.device)
+        if meta.all_greedy:  # each row's entropy and most likely token in one read (through the kernel)
+            if len(blocks) == 1:
+                entropy, tokens = entropy_and_best(logits)
+            else:
+                parts = [entropy_and_best(logits[b]) for b in blocks]
+                entropy, tokens = torch.cat([e for e, _ in parts]), torch.cat([t for _, t in parts])
+            return SamplerOutput(tokens=tokens, entropy_bits=entropy)
         entropy = torch.cat([entropy_bits(logits[b]) for b in blocks]) if len(blocks) > 1 else entropy_bits(logits)
         return SamplerOutput(tokens=sample(logits, meta), entropy_bits=entropy)
 

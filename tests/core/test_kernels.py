@@ -392,29 +392,32 @@ def test_nucleus_edge_that_falls_exactly_on_a_token_is_decided_by_the_rule_not_r
 
 
 @needs_kernel
-def test_nucleus_draws_follow_the_filtered_distribution_in_token_order_row_by_row() -> None:
+@pytest.mark.parametrize("top_p", [0.9, 1.0], ids=["nucleus", "every-token"])
+def test_nucleus_draws_follow_the_filtered_distribution_in_token_order_row_by_row(top_p: float) -> None:
     """Evenly spaced uniforms give each kept token its share of the draws (to one draw), in token-id order, nothing
-    outside the kept set; a row's draw is the same alone and in a batch."""
+    outside the kept set (at top-p 1, every token: the sampler's temperature-only rows); a row's draw is the same
+    alone and in a batch."""
     logits = torch.log(torch.tensor([0.05, 0.3, 0.02, 0.25, 0.38]))
     scaled = ops.apply_temperature(logits[None], 1.0)
     count = 1000
     u = (torch.arange(count, dtype=torch.float64) + 0.5) / count
     rows = scaled.expand(count, -1).contiguous()
-    _, drawn = ops.native_nucleus(rows, torch.full((count,), 0.9), u=u[:, None])
+    _, drawn = ops.native_nucleus(rows, torch.full((count,), top_p), u=u[:, None])
     assert drawn is not None
     probs = ops.filtered_probs(
         logits[None],
         torch.ones(1),
         torch.zeros(1, dtype=torch.int64),
-        torch.full((1,), 0.9),
+        torch.full((1,), top_p),
         max_top_k=0,
-        any_top_p=True,
+        any_top_p=top_p < 1.0,
     )[0]
     shares = torch.bincount(drawn, minlength=5).double() / count
-    assert torch.allclose(shares, probs.double(), atol=1.5 / count) and shares[[0, 2]].sum() == 0
+    assert torch.allclose(shares, probs.double(), atol=1.5 / count)
+    assert (shares[[0, 2]].sum() == 0) == (top_p < 1.0)
     assert torch.equal(drawn, drawn.sort().values)  # u ascending, tokens ascending: the CDF runs in id order
     for b in (0, 437, 999):
-        _, alone = ops.native_nucleus(rows[b : b + 1], torch.full((1,), 0.9), u=u[b : b + 1, None])
+        _, alone = ops.native_nucleus(rows[b : b + 1], torch.full((1,), top_p), u=u[b : b + 1, None])
         assert alone is not None and int(alone) == int(drawn[b])
 
 
@@ -440,3 +443,34 @@ def test_nucleus_leaves_nan_rows_to_torch_and_the_sampler_still_draws_them() -> 
         patch.setattr(ops, "on_kernel", lambda x: False)
         theirs = sample(logits, meta)
     assert int(mine[1]) == int(theirs[1])  # the NaN row: torch's floor and draw, as without the kernel
+
+
+@needs_kernel
+def test_a_greedy_passs_entropy_and_token_come_from_one_read_with_each_functions_bits() -> None:
+    """The sampler's greedy pass asks the kernel for a row's entropy and most likely id at once: the same bits as
+    ``entropy_bits`` and ``best`` apart, ties to the lowest id, rows with a NaN, +inf or nothing above -inf decided
+    by torch as those functions decide them; and one call, not two."""
+    from ead_llm.core.sampler import GREEDY, Sampler
+
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(8))
+    logits[1, [40, 2000]] = 9.0  # a tie: the lower id
+    logits[2, 5] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4] = -torch.inf
+    calls: list[tuple[bool, bool]] = []
+    row_stats = kernels.row_stats
+
+    def counted(rows: torch.Tensor, *, entropy: bool = True, best: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append((entropy, best))
+        return row_stats(rows, entropy=entropy, best=best)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "row_stats", counted)
+        out = Sampler()(logits, GREEDY)
+    assert calls == [(True, True)]
+    assert torch.equal(out.tokens, ops.best(logits)) and int(out.tokens[1]) == 40
+    torch.testing.assert_close(out.entropy_bits, ops.entropy_bits(logits), rtol=0, atol=0, equal_nan=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "on_kernel", lambda x: False)  # torch's formula and rule for every row
+        torch.testing.assert_close(out.entropy_bits[[2, 3, 4]], ops.entropy_bits(logits[[2, 3, 4]]), equal_nan=True)
+        assert torch.equal(out.tokens[[2, 3, 4]], ops.best(logits[[2, 3, 4]]))

@@ -343,3 +343,31 @@ def test_a_top_k_cut_inside_a_wide_tie_then_top_p_is_searched_over_what_top_k_ke
     assert torch.equal(kept, reference_probs(logits[0], 0.9, 10, 0.9) > 0) and int(kept.sum()) == 1500
     drawn = sample(logits, SamplingMetadata.build([(0.9, 10, 0.9, stream_key(1, 0), 3)]))
     assert bool(kept[int(drawn)])
+
+
+def test_temperature_only_rows_are_drawn_by_the_kernel_alone_or_beside_top_k_rows() -> None:
+    """A row without top-k or top-p takes the kernel's draw over every token (top-p 1) where the kernel runs: the
+    token its inverse CDF gives for the row's uniform, the same alone, among rows like it (one kernel call), and
+    beside top-k rows (which keep torch's candidate path). Torch's inverse CDF over ``exp`` draws the same tokens
+    here but for rounding at a boundary, so the test counts the kernel's calls."""
+    from ead_llm.core import kernels, ops
+
+    if not kernels.available():
+        pytest.skip("no kernel here: torch draws every row")
+    logits = torch.randn(6, 20000, generator=torch.Generator().manual_seed(3)) * 0.5  # flat: the draw spreads
+    rows = [(0.9, 0 if b % 3 else 40, 1.0, stream_key(5, b), 7 + b) for b in range(6)]  # rows 0 and 3: top-k 40
+    together = sample(logits, SamplingMetadata.build(rows))
+    plain = [b for b in range(6) if b % 3]
+    calls = []
+    nucleus = kernels.nucleus
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "nucleus", lambda *args: calls.append(len(args[0])) or nucleus(*args))
+        only = sample(logits[plain], SamplingMetadata.build([rows[b] for b in plain]))
+    assert calls == [len(plain)] and torch.equal(only, together[plain])
+    for b in range(6):
+        assert int(sample(logits[b : b + 1], SamplingMetadata.build([rows[b]]))[0]) == int(together[b])
+    keys, positions = torch.tensor([rows[b][3] for b in plain]), torch.tensor([rows[b][4] for b in plain])
+    u = uniforms(keys, positions, LANE_SAMPLE, 1)[:, 0]
+    scaled = ops.apply_temperature(logits[plain], 0.9)
+    _, drawn = kernels.nucleus(scaled, torch.ones(len(plain)), ops.NUCLEUS_RTOL, u)
+    assert drawn is not None and torch.equal(drawn, together[plain])
