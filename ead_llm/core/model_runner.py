@@ -692,8 +692,8 @@ class ModelRunner:
         )
         """Whether every query past a row's prompt runs through ead-llm's own attention kernel, as a decode step at
         its position, over the cache where it lies (:func:`ead_llm.core.kernels.attend`): where the kernel builds, for
-        the fused float32 models, whose layers hand it their queries (prompts keep torch's fused attention, in
-        chunks)."""
+        the fused float32 models, whose layers hand it their queries (prompts keep torch's fused attention, block by
+        block)."""
 
     @property
     def draft_bfloat16(self) -> bool:
@@ -951,12 +951,12 @@ class ModelRunner:
         self, row: PassRow, offset: int, count: int, extra: int
     ) -> list[RowAttention | PromptAttention | Queries]:
         """How ``row`` (whose ``count`` new tokens start at packed ``offset``, then its ``extra`` siblings) is
-        attended: a prompt over the pass's own keys (causal); each as a decode step at its position: a decode step's
-        token, every token after a history with its siblings under :attr:`native_attention`, and under
-        :attr:`exact_verification` every token past the prompt (:attr:`PassRow.prompt`) and up to
-        :data:`AS_DECODE_MAX` tokens after a history (or drafts after a prompt) with their siblings; else a short
-        row's several tokens together (grouped), a long row's, or a row's with siblings, together over its history
-        in pieces of :data:`SPLIT` positions."""
+        attended: its prompt's positions block by block (:class:`PromptAttention`); each later one as a decode step
+        at its position: a decode step's token, every token after a history with its siblings under
+        :attr:`native_attention`, and under :attr:`exact_verification` every token past the prompt
+        (:attr:`PassRow.prompt`) and up to :data:`AS_DECODE_MAX` tokens after a history (or drafts after a prompt)
+        with their siblings; else a short row's several tokens together (grouped), a long row's, or a row's with
+        siblings, together over its history in pieces of :data:`SPLIT` positions."""
         start = row.kv.length
         end = start + count
         drafts = row.read - 1  # a verification's drafts are the row's last tokens
