@@ -32,6 +32,7 @@ def test_dspy_optimize(tmp_path: Path) -> None:
     assert "answer: 7160" in out and "dev accuracy:" in out and "'large_tokens'" in out
 
 
+@pytest.mark.slow  # about 30 s; README's PolicyOptimizer block runs in the default suite
 def test_dspy_policy_optimizer(tmp_path: Path) -> None:
     out = run_example("dspy_policy_optimizer.py", tmp_path)
     assert "metric: LargeOnly" in out and "  easy: " in out and "  hard: " in out and "search: " in out

@@ -533,6 +533,7 @@ print(fused.head.kernel, hashlib.sha256(out.numpy().tobytes()).hexdigest())
 """
 
 
+@pytest.mark.slow  # about 35 s of real timing in three processes: the slow suite, which CI runs
 def test_processes_on_one_machine_take_the_kernel_the_first_one_timed_and_compute_the_same_bits(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
