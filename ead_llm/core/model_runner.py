@@ -967,7 +967,8 @@ class ModelRunner:
             stop = end - (drafts if exact and 0 < drafts <= AS_DECODE_MAX else 0) if start == 0 else start
         units: list[RowAttention | PromptAttention | Queries] = []
         if stop > start:
-            units.append(PromptAttention(slice(offset, offset + stop - start), start, self._span(row.kv.blocks, stop)))
+            keys = self._span(row.kv.blocks, 0, stop)
+            units.append(PromptAttention(slice(offset, offset + stop - start), start, keys))
             offset, start, count = offset + stop - start, stop, end - stop
             if not count:
                 return units
@@ -985,32 +986,27 @@ class ModelRunner:
         pieces = self._pieces(row.kv.blocks, end + extra)
         return [*units, RowAttention(slice(offset, offset + count + extra), pieces, mask)]
 
-    def _span(self, blocks: list[int], reach: int) -> slice | torch.Tensor:
-        """The flat slots of positions ``0..reach`` of a row with this block table: a range where its blocks lie in
-        order, else the slots themselves."""
+    def _span(self, blocks: list[int], begin: int, stop: int) -> slice | torch.Tensor:
+        """The flat slots of positions ``begin..stop`` of a row with this block table: a range where their blocks lie
+        in order, else the slots themselves."""
         size = self.cache.block_size
-        first = in_order(blocks, self.cache.blocks_for(reach))
-        if first is not None:
-            return slice(first * size, first * size + reach)
-        return upload(self.cache.slots(blocks, range(reach)), torch.long, self.device)
+        first = begin // size
+        if in_order(blocks[first:], self.cache.blocks_for(stop) - first) is not None:
+            base = (blocks[first] - first) * size
+            return slice(base + begin, base + stop)
+        return upload(self.cache.slots(blocks, range(begin, stop)), torch.long, self.device)
 
     def _pieces(self, blocks: list[int], reach: int, own: int | None = None) -> tuple[slice | torch.Tensor, ...]:
         """The flat slots of positions ``0..reach`` of a row with this block table, cut at every multiple of
-        :data:`SPLIT`: a range where the piece's blocks lie in order, else the slots themselves. ``own``: the slot
-        read for position ``reach - 1`` instead of its own (a sibling's keys)."""
-        size = self.cache.block_size
+        :data:`SPLIT` (:meth:`_span`). ``own``: the slot read for position ``reach - 1`` instead of its own (a
+        sibling's keys)."""
         out: list[slice | torch.Tensor] = []
         for begin in range(0, reach, SPLIT):
             stop = min(begin + SPLIT, reach)
-            first = begin // size
-            used = self.cache.blocks_for(stop) - first
-            swap = own is not None and stop == reach  # the last piece ends with the sibling's keys
-            if not swap and in_order(blocks[first:], used) is not None:
-                base = (blocks[first] - first) * size
-                out.append(slice(base + begin, base + stop))
+            if own is not None and stop == reach:  # the last piece ends with the sibling's keys
+                out.append(upload([*self.cache.slots(blocks, range(begin, stop - 1)), own], torch.long, self.device))
             else:
-                slots = self.cache.slots(blocks, range(begin, stop - swap))
-                out.append(upload([*slots, own] if swap else slots, torch.long, self.device))
+                out.append(self._span(blocks, begin, stop))
         return tuple(out)
 
     def _mask_dtype(self) -> torch.dtype:
