@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from ead_llm.core.fused_llama import (
     PACK_MIN_BYTES,
     FusedLayer,
+    NoAttention,
     Projection,
     RotaryTable,
     choose_kernel,
@@ -49,11 +50,11 @@ class FusedDraft:
         self.norm = (model.norm.weight, float(model.norm.variance_epsilon))
         self.head = Projection(model.head.weight, None, kernel=kernel)
         self.projections = [self.fc, self.head, *(p for layer in self.layers for p in layer.projections)]
-        self.float32_kernel = choose_kernel(self.projections)
-        tune_widths(self.projections)
         self.index = model.vocab_index
         self.vocab = int(model.config.vocab_size)
         self.hidden = int(model.config.hidden_size)
+        self.float32_kernel = choose_kernel(self.projections, passes=self.timed_pass)
+        tune_widths(self.projections)
         self.bfloat16 = False
         """Whether the products run in bfloat16 (:func:`~ead_llm.core.fused_llama.draft_bfloat16_kernel`)."""
         self.use_bfloat16(self.bfloat16_pays() if bfloat16 is None else bfloat16)
@@ -95,6 +96,13 @@ class FusedDraft:
             self.bfloat16 = False
         tune_widths(self.projections)
         return self.bfloat16
+
+    def timed_pass(self, tokens: int) -> torch.Tensor:
+        """A pass of ``tokens`` new tokens without attention (:class:`~ead_llm.core.fused_llama.NoAttention`), as
+        :func:`~ead_llm.core.fused_llama.choose_kernel` times it."""
+        positions = torch.arange(tokens)
+        features = torch.zeros(tokens, self.hidden)
+        return self(torch.zeros(tokens, dtype=torch.long), positions, positions, NoAttention(tokens), features)  # type: ignore[arg-type]
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, batch: PackedBatch, features: torch.Tensor

@@ -17,6 +17,7 @@ sliding window); anything else runs through transformers' modules with the same 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -24,7 +25,7 @@ import os
 import platform
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -356,24 +357,60 @@ def _time_rows(packed: list[Projection], repeats: int) -> dict[int, float]:
         rows: [torch.randn(r, p.weight.shape[1], generator=gen) for p, r in zip(packed, rows, strict=True)]
         for rows in dict.fromkeys(runs.values())
     }
-    samples: dict[tuple[int, ...], list[float]] = {rows: [] for rows in inputs}
 
-    def products(xs: list[torch.Tensor], times: int) -> float:
+    def products(xs: list[torch.Tensor]) -> Callable[[], object]:
+        return lambda: [p._packed(x) for p, x in zip(packed, xs, strict=True)]
+
+    seconds = _fastest_samples({rows: products(xs) for rows, xs in inputs.items()}, repeats)
+    return {n: seconds[rows] for n, rows in runs.items()}
+
+
+def _time_passes(run: Callable[[int], object], repeats: int) -> dict[int, float]:
+    """Seconds of ``run(rows)`` (a model's pass of ``rows`` tokens without attention: :class:`NoAttention`) at 1 to
+    :data:`TUNED_ROWS` rows (the fastest of ``repeats`` samples)."""
+    return _fastest_samples({n: functools.partial(run, n) for n in range(1, TUNED_ROWS + 1)}, repeats)
+
+
+def _fastest_samples(work: dict[Any, Callable[[], object]], repeats: int) -> dict[Any, float]:
+    """Seconds of each of ``work``'s calls: the fastest of ``repeats`` samples, the calls interleaved."""
+
+    def timed(call: Callable[[], object], times: int) -> float:
         start = time.perf_counter()
         for _ in range(times):
-            for p, x in zip(packed, xs, strict=True):
-                p._packed(x)
+            call()
         return time.perf_counter() - start
 
+    first = next(iter(work.values()))
+    samples: dict[Any, list[float]] = {key: [] for key in work}
     with torch.inference_mode():
-        products(inputs[runs[2]], 1)  # untimed: a kernel makes its code paths on first use
-        # a small model's pass takes well under a millisecond: each sample runs enough passes to outlast the noise
-        times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(products(inputs[runs[1]], 1), 1e-6))))
+        timed(first, 1)  # untimed: a kernel makes its code paths on first use
+        # a small model's pass takes well under a millisecond: each sample runs enough calls to outlast the noise
+        times = max(1, min(100, math.ceil(TUNE_SAMPLE_S / max(timed(first, 1), 1e-6))))
         for _ in range(repeats):
-            for rows, xs in inputs.items():
-                samples[rows].append(products(xs, times) / times)
+            for key, call in work.items():
+                samples[key].append(timed(call, times) / times)
     # the fastest sample of each: a busy machine only ever adds time, and a small model's widths must not follow it
-    return {n: min(samples[rows]) for n, rows in runs.items()}
+    return {key: min(times) for key, times in samples.items()}
+
+
+class NoAttention:
+    """A stand-in for a pass's :class:`~ead_llm.core.model_runner.PackedBatch` when a model's pass is timed without
+    its attention (:func:`choose_kernel`): nothing is stored, and each query's "attention" is its own vector."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.cache = self
+        self.write_slots = None
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores nothing."""
+
+    def write_features(self, slots: object, features: torch.Tensor) -> None:
+        """Stores nothing."""
+
+    def attend(self, attention: object, q: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``q`` ``[1, H, T, D]`` as ``[1, T, H, D]``."""
+        return q.transpose(1, 2)
 
 
 def kernel_cost(seconds: dict[int, float]) -> float:
@@ -383,20 +420,25 @@ def kernel_cost(seconds: dict[int, float]) -> float:
     return sum(seconds[widths[rows]] for rows in range(1, len(widths)))
 
 
-def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None:
-    """Put a model's prepared projections on the fastest of its :func:`candidates` (each timed as :func:`tune_widths`
-    times widths, where it keeps every row's bits whatever rows share a call) and return it. The choice changes the
-    last bits of the logits, so it is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU,
-    torch's version, the thread count, the candidates and the shapes): every later process on the machine runs the
-    same kernel, and the same seed gives the same text. Projections left on ``F.linear`` (no kernel gives their rows
-    the same bits) are not timed; a model whose prepared projections start on different kernels stays as it is."""
+def choose_kernel(
+    projections: list[Projection], repeats: int = 3, passes: Callable[[int], object] | None = None
+) -> str | None:
+    """Put a model's prepared projections on the fastest of its :func:`candidates` and return it. With ``passes`` (a
+    model's pass of a given number of tokens, without its attention) each candidate is timed on what it runs: the
+    whole pass, on ours with the norms, rotary turn, residual adds and gating inside its calls, on the others as torch
+    operations; without, on the projections' products alone (as :func:`tune_widths` times widths). Only kernels that
+    keep every row's bits whatever rows share a call are timed. The choice changes the last bits of the logits, so it
+    is taken once per machine and kept in :func:`kernel_record` (keyed by the CPU, torch's version, the thread count,
+    the candidates, what was timed and the shapes): every later process on the machine runs the same kernel, and the
+    same seed gives the same text. Projections left on ``F.linear`` (no kernel gives their rows the same bits) are not
+    timed; a model whose prepared projections start on different kernels stays as it is."""
     prepared = [p for p in projections if p.packed is not None]
     start = prepared[0].kernel if prepared else None
     if start is None or start not in KERNELS or any(p.kernel != start for p in prepared):
         return projections[0].kernel if projections else None
     if candidates(prepared) == (start,):  # nothing to weigh it against
         return start
-    key = kernel_key(prepared)
+    key = kernel_key(prepared, whole=passes is not None)
     chosen = _recorded_kernel(key)
     timed: dict[str, dict[int, float]] = {}
     if chosen is None:
@@ -407,7 +449,9 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
             if chosen is None:
                 for kernel in candidates(prepared):
                     if all(p.use(kernel) for p in prepared):
-                        timed[kernel] = _time_rows(prepared, repeats)
+                        timed[kernel] = (
+                            _time_rows(prepared, repeats) if passes is None else _time_passes(passes, repeats)
+                        )
                 costs = {k: kernel_cost(seconds) for k, seconds in timed.items()}
                 chosen = fastest(costs, start)
                 _record_kernel(key, chosen, {k: round(v * 1e3, 4) for k, v in costs.items()})
@@ -415,16 +459,16 @@ def choose_kernel(projections: list[Projection], repeats: int = 3) -> str | None
         for p in prepared:
             p.use(start)
         return start
-    if chosen in timed:  # its widths are timed already: tune_widths takes them
+    if chosen in timed and passes is None:  # its products' widths are timed already: tune_widths takes them
         _TUNED[(torch.get_num_threads(), repeats, *_shapes(prepared))] = choose_widths(timed[chosen])
     return chosen
 
 
 OWN_MARGIN = 0.85
-"""Another kernel is chosen over ours only when its products cost at most this share of ours: ours also runs a layer's
-norms, rotary turn, residual adds and gating inside its calls (:meth:`FusedLayer._fused`), which timing the products
-does not count (the embedded large model's decode forward: 1.03 ms on ours, 1.71 with those as torch operations,
-whose products cost 0.47 of it)."""
+"""Another kernel is chosen over ours only when it costs at most this share of ours. Timed on products alone, ours
+also runs a layer's norms, rotary turn, residual adds and gating inside its calls, which the timing does not count
+(the embedded large model's decode forward: 1.03 ms on ours, 1.71 with those as torch operations, whose products cost
+0.47 of it); timed on whole passes, it keeps a noisy timing from trading ours for a kernel no faster."""
 
 
 def fastest(costs: dict[str, float], start: str) -> str:
@@ -446,11 +490,12 @@ def candidates(prepared: list[Projection]) -> tuple[str, ...]:
     return tuple(k for k in KERNELS if runs_here(k) and (k != "onednn" or start == "onednn"))
 
 
-def kernel_key(prepared: list[Projection]) -> str:
-    """The record's key for a model's projections on this machine."""
+def kernel_key(prepared: list[Projection], *, whole: bool = False) -> str:
+    """The record's key for a model's projections on this machine (``whole``: timed on whole passes)."""
     shapes = sorted({(tuple(p.weight.shape), p.bias is not None) for p in prepared})
     timed = ",".join(k if k != "native" else f"native {kernels.VERSION}" for k in candidates(prepared))
-    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{timed}|{shapes}"
+    what = "|passes" if whole else ""
+    return f"{cpu_name()}|torch {torch.__version__}|threads {torch.get_num_threads()}|{timed}{what}|{shapes}"
 
 
 def cpu_name(cpuinfo: str | None = None) -> str:
@@ -503,7 +548,7 @@ def _record_kernel(key: str, kernel: str, costs: dict[str, float]) -> None:
     between this read and write); the file is replaced whole, never seen half written. A machine where it cannot be
     written keeps the choice for this process."""
     record = _read_record()
-    record[key] = {"kernel": kernel, "ms_per_pass_products": costs}
+    record[key] = {"kernel": kernel, "ms_per_pass": costs}
     path = kernel_record()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -715,11 +760,17 @@ class FusedLlama:
         self.head = Projection(model.lm_head.weight, model.lm_head.bias, kernel=kernel)
         self.layers = [FusedLayer(layer, kernel=kernel) for layer in inner.layers]
         self.projections = [self.head, *(p for layer in self.layers for p in layer.projections)]
-        choose_kernel(self.projections)
-        tune_widths(self.projections)
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""
+        choose_kernel(self.projections, passes=self.timed_pass)
+        tune_widths(self.projections)
+
+    def timed_pass(self, tokens: int) -> torch.Tensor:
+        """A pass of ``tokens`` new tokens without attention (:class:`NoAttention`), as :func:`choose_kernel` times
+        it."""
+        positions = torch.arange(tokens)
+        return self(torch.zeros(tokens, dtype=torch.long), positions, positions, NoAttention(tokens))  # type: ignore[arg-type]
 
     def __call__(
         self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, batch: PackedBatch

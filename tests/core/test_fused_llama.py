@@ -587,3 +587,66 @@ def test_our_kernel_is_kept_unless_another_runs_the_products_clearly_faster() ->
     assert fused_llama.fastest({"blas": 5.0, "native": 4.0}, "blas") == "native"
     assert fused_llama.fastest({"blas": 5.0, "onednn": 4.0}, "onednn") == "onednn"  # ours absent: the cheapest
     assert fused_llama.fastest({}, "onednn") == "onednn"
+
+
+def _tiny_llama(seed: int, hidden: int = 32, vocab: int = 64) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="weighs ead-llm's own kernel, which does not build here")
+def test_a_models_kernel_is_timed_on_its_whole_passes_not_on_its_products(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A model's forward (and a feature-reading draft's) times each kernel on what it runs: a pass without attention,
+    where ours also runs the norms, rotary turn, residual adds and gating inside its calls and the others run them as
+    torch operations. Timed on products alone the embedded small model went to BLAS (0.76 against 1.02 ms of
+    products), whose decode forward then took 1.41 ms against 0.47 on ours. Each candidate's pass runs its own path
+    (ours fused) and computes the same logits to rounding; the record says what was timed, so a choice timed on
+    products is not taken for a model timed on passes."""
+    from ead_llm.core.fused_draft import FusedDraft
+    from ead_llm.core.fused_llama import FusedLlama
+    from ead_llm.drafts.model import new_draft
+
+    monkeypatch.setenv("EAD_LLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(fused_llama, "_TUNED", {})
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(Projection, "_agreeing_from", lambda self, counts: 1)  # BLAS taken on any CPU
+    monkeypatch.setattr(fused_llama, "_time_rows", _timings_favouring("blas"))  # the products: BLAS twice as fast
+    runs: list[tuple[str | None, bool, torch.Tensor]] = []
+    real = fused_llama._time_passes
+
+    def passes(run: Any, repeats: int) -> dict[int, float]:
+        model = run.__self__  # the forward whose pass is timed
+        with torch.inference_mode():
+            runs.append((model.head.kernel, model.layers[0].fuses, run(3)))
+        seconds = real(run, 1)  # the real timing runs too (its figures are left aside: this test does not time)
+        assert sorted(seconds) == list(range(1, TUNED_ROWS + 1)) and all(s > 0 for s in seconds.values())
+        return dict.fromkeys(seconds, 1.0 if model.head.kernel == "native" else 2.0)
+
+    monkeypatch.setattr(fused_llama, "_time_passes", passes)
+    target = _tiny_llama(0)
+    for build in (lambda: FusedLlama(target), lambda: FusedDraft(new_draft(target, torch.arange(40)))):
+        forward = build()
+        assert all(p.kernel == "native" for p in forward.projections)
+        assert [(kernel, fuses) for kernel, fuses, _ in runs] == [("blas", False), ("native", True)]
+        (_, _, theirs), (_, _, ours) = runs
+        assert ours.shape == (3, 64)
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        runs.clear()
+    record = json.loads(kernel_record().read_text())
+    assert len(record) == 2 and all("|passes|" in key and entry["kernel"] == "native" for key, entry in record.items())
+    products = [Projection(p.weight, p.bias, kernel="blas") for p in FusedLlama(_tiny_llama(1)).projections]
+    assert choose_kernel(products) == "blas"  # the same shapes timed on products: their own record, not the passes'
