@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ead_llm.core.ops import best, entropy_bits, filtered_probs
+from ead_llm.core.ops import best, entropy_and_best, entropy_bits, filtered_probs
 from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, row_blocks, uniforms
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import DraftRound, RoundVerdict
@@ -84,6 +84,9 @@ class VerifyBatch:
     """Largest ``top_n`` of a row that may reject on entropy (1 when none may)."""
     any_sampled: bool = False
     any_entropy_rule: bool = False
+    """Whether a round may reject on entropy (one whose threshold is finite)."""
+    any_oracle: bool = True
+    """Whether a round is an oracle's (judged by the models' best tokens alone)."""
 
     def rounds(self, block: slice) -> VerifyBatch:
         """The rounds ``block`` of this batch (the flags stay the whole batch's: they only widen what is computed)."""
@@ -140,8 +143,7 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
     drafts, device = batch.draft_tokens, batch.draft_tokens.device
     gamma = drafts.shape[1]
     vocab = batch.target_logits.shape[-1]
-    target_entropy = entropy_bits(batch.target_logits)  # [R, G+1]
-    target_best = best(batch.target_logits)  # [R, G+1]
+    target_entropy, target_best = entropy_and_best(batch.target_logits)  # [R, G+1] each: one read of the logits
     greedy = (batch.temperature == 0)[:, None]  # [R, 1]
     positions = torch.arange(gamma, device=device)
     valid = positions[None, :] < batch.num_drafts[:, None]  # [R, G]
@@ -157,8 +159,9 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
         ratio = torch.where(q_x > 0, p_x / q_x.clamp_min(1e-30), 0.0)  # a draft q cannot draw never stands
         u = uniforms(batch.keys, batch.positions, LANE_ACCEPT, max(gamma, 1))[:, :gamma]
         stands = torch.where(greedy, stands, u < ratio.clamp(max=1.0).double())
-    oracle_stands = best(batch.draft_logits) == target_best[:, :gamma]
-    stands = torch.where(batch.oracle[:, None], oracle_stands, stands)
+    if batch.any_oracle:
+        oracle_stands = best(batch.draft_logits) == target_best[:, :gamma]
+        stands = torch.where(batch.oracle[:, None], oracle_stands, stands)
 
     uncertain = torch.zeros_like(stands)
     if batch.any_entropy_rule and gamma:
@@ -176,9 +179,11 @@ def _verify(batch: VerifyBatch) -> VerifyOutput:
     draft_at = drafts.gather(1, at.clamp(max=max(gamma - 1, 0))).squeeze(1) if gamma else accepted
 
     # the distribution the last token is drawn from, per round: [R, V]
-    target_at = batch.target_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # raw logits
-    masked = target_at.scatter(1, draft_at[:, None], -torch.inf)
-    greedy_token = torch.where(by_entropy, best(masked), target_best.gather(1, at).squeeze(1))
+    greedy_token = target_best.gather(1, at).squeeze(1)
+    if batch.any_entropy_rule:  # a round rejected on entropy takes the large model's best but its draft
+        target_at = batch.target_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # raw logits
+        masked = target_at.scatter(1, draft_at[:, None], -torch.inf)
+        greedy_token = torch.where(by_entropy, best(masked), greedy_token)
     token = greedy_token
     if p is not None and q is not None:
         p_at = p.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
@@ -294,6 +299,7 @@ def verify_batch(
         max_top_n=max((r.top_n for r in entropy_rule), default=1),
         any_sampled=bool(sampled),
         any_entropy_rule=bool(entropy_rule),
+        any_oracle=any(r.oracle for r in rounds),
     )
 
 

@@ -61,6 +61,7 @@ def batch(
         any_sampled=temperature > 0,
         any_top_p=top_p < 1.0,
         any_entropy_rule=not math.isinf(entropy_threshold),
+        any_oracle=oracle,
     )
 
 
@@ -164,6 +165,22 @@ def test_the_oracle_follows_argmax_agreement_and_has_no_bonus() -> None:
     assert row(out, 0) == (1, -1, 0)  # both argmaxes are 0: the draft stands (whatever was drafted), no bonus
     assert row(out, 1) == (0, 2, 0)  # they differ: the large model writes the position
     assert row(out, 2) == (0, 0, 0)  # nothing drafted: the large model's token
+
+
+def test_an_oracle_round_among_others_is_judged_by_argmax_agreement_when_sampled() -> None:
+    """Built as the engine builds a batch (:func:`verify_batch`), a sampled oracle round beside a plain one keeps a
+    draft the large model could never draw where the two models' most likely tokens agree (the oracle's rule; the
+    ratio rule would reject it), and the plain round rejects it."""
+    from ead_llm.core.rejection_sampler import verify_batch
+    from ead_llm.core.request import SamplingParams
+    from ead_llm.core.types import DraftRound
+
+    small = logits_of([0.5, 0.3, 0.2, 0.0, 0.0, 0.0])[0]  # most likely 0; draws 1 often
+    large = logits_of([0.9, 0.0, 0.1, 0.0, 0.0, 0.0], [0.9, 0.0, 0.1, 0.0, 0.0, 0.0])  # most likely 0; never 1
+    params = [SamplingParams(temperature=1.0, max_tokens=4)] * 2
+    rounds = [DraftRound((1,), (small,), (1.0,), 10, oracle=oracle) for oracle in (True, False)]
+    judged = verify(verify_batch(params, [5, 5], rounds, torch.stack([large, large]), gamma=1))
+    assert judged.accepted.tolist() == [1, 0]
 
 
 def test_top_n_overlap_per_round() -> None:
