@@ -183,6 +183,33 @@ def test_an_oracle_round_among_others_is_judged_by_argmax_agreement_when_sampled
     assert judged.accepted.tolist() == [1, 0]
 
 
+def test_the_overlap_is_worked_out_where_asked_and_is_the_whole_batchs_there() -> None:
+    """EASD's top-N overlap, worked out at the positions where both models are unsure only (at most half of them), is
+    what the whole batch's computation gives there (per round N and thresholds; ties in the logits), and False
+    elsewhere; with more asked, the whole batch's."""
+    from dataclasses import replace
+
+    from ead_llm.core.rejection_sampler import _overlapping
+
+    gen = torch.Generator().manual_seed(4)
+    drafts = [[0, 1, 2]] * 5
+    small = [[(torch.randn(V, generator=gen) * 2).round() for _ in d] for d in drafts]  # rounded: ties
+    large = [[(torch.randn(V, generator=gen) * 2).round() for _ in range(len(d) + 1)] for d in drafts]
+    rounds = replace(
+        batch(drafts, small, large, entropy_threshold=0.5),
+        top_n=torch.tensor([1, 2, 3, 4, 2]),
+        overlap_threshold=torch.tensor([0.3, 0.5, 0.1, 0.6, 0.0]),
+        max_top_n=4,
+    )
+    whole = top_n_overlap(rounds.draft_logits, rounds.target_logits[:, :3], rounds.top_n, 4)
+    whole = whole > rounds.overlap_threshold[:, None]
+    assert 0 < int(whole.sum()) < whole.numel()
+    few = torch.rand(5, 3, generator=gen) < 0.4  # at most half asked: those alone
+    assert 0 < int(few.sum()) <= 7 and torch.equal(_overlapping(rounds, few), whole & few)
+    assert torch.equal(_overlapping(rounds, torch.ones(5, 3, dtype=torch.bool)), whole)  # all: the whole batch's
+    assert not _overlapping(rounds, torch.zeros(5, 3, dtype=torch.bool)).any()
+
+
 def test_top_n_overlap_per_round() -> None:
     a = torch.tensor([[[5.0, 4, 3, 2, 1]], [[5.0, 4, 3, 2, 1]]])
     b = torch.tensor([[[1.0, 4, 3, 5, 2]], [[1.0, 4, 3, 5, 2]]])
