@@ -1,12 +1,13 @@
 """The engine's projection kernels (oneDNN on packed weights, BLAS on transposed ones, ead-llm's own where it builds)
 against torch's default ``F.linear``, on a real model's weights: every projection of every layer and the head, once
-per row count, as one forward's matrix products. The engine takes the fastest kernel per model and machine
-(``choose_kernel``); this prints each.
+per row count, as one forward's matrix products; then each kernel's whole pass without attention (what the engine
+times to take the fastest kernel per model and machine, ``choose_kernel``: ours also runs the norms, rotary turn,
+residual adds and gating inside its calls, the others run them as torch operations). This prints each.
 
 Why it matters: a speculative verify pass of a few tokens should cost about one decode step; with torch's default
 CPU BLAS on some machines it costs nearly once per row. Run with the same threads on both sides:
 
-    OMP_NUM_THREADS=1 python benchmarks/linear_kernels.py [--model smollm2|embedded] [--repeats 7]
+    OMP_NUM_THREADS=1 python benchmarks/linear_kernels.py [--model smollm2|embedded|embedded-small] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def timed(fn: Callable[[], None], repeats: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("smollm2", "embedded"), default="smollm2")
+    parser.add_argument("--model", choices=("smollm2", "embedded", "embedded-small"), default="smollm2")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     if args.model == "smollm2":
@@ -47,7 +48,7 @@ def main() -> None:
     else:
         from ead_llm.embedded import embedded_pair
 
-        folder = str(embedded_pair()[1])
+        folder = str(embedded_pair()[args.model == "embedded"])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     fused = FusedLlama(model)
     projections = [p for layer in fused.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -82,6 +83,21 @@ def main() -> None:
                 ours = timed(prepared, args.repeats)
                 o = statistics.median(ours)
                 line += f" {f'{o:.2f} ({min(ours):.2f}-{max(ours):.2f})':>20} {t / o:>8.2f}x"
+            print(line)
+    print(f"ms per whole pass without attention (FusedLlama.timed_pass), median (min-max) of {args.repeats}")
+    print(f"{'rows':>5}" + "".join(f" {k:>20}" for k in kernels))
+    with torch.inference_mode():
+        for rows in ROWS:
+            line = f"{rows:>5}"
+            for kernel in kernels:
+                for p in projections:
+                    p.use(kernel)
+
+                def whole(rows: int = rows) -> None:
+                    fused.timed_pass(rows)
+
+                passes = timed(whole, args.repeats)
+                line += f" {f'{statistics.median(passes):.2f} ({min(passes):.2f}-{max(passes):.2f})':>20}"
             print(line)
 
 
