@@ -1,8 +1,9 @@
 """The engine's forward for a draft that reads its target's hidden states (:mod:`ead_llm.drafts.model`).
 
-Each packed token at position ``p`` reads the feature of ``p - 1``: the target's final hidden state where the
-target has run there (its cache keeps them), else the draft's own output there from an earlier pass (its guess
-of the target's), else zeros (a prompt the draft reads first). The runner gathers them
+Each packed token at position ``p`` reads the feature of ``p - 1``: zeros inside the prompt (its keys then depend
+on its tokens alone, so a cached prompt block holds what computing it would); past it, the target's final hidden
+state where the target has run there (its cache keeps them), else the draft's own output there from an earlier pass
+(its guess of the target's), else zeros. The runner gathers them
 (:meth:`ead_llm.core.model_runner.ModelRunner.execute`); this pass joins them with the token embeddings, runs the
 draft's layers on the paged cache (the same fused layer as :mod:`ead_llm.core.fused_llama`), stores its own
 outputs as features in its cache, and returns logits over the vocabulary, ``-inf`` outside its head's tokens.

@@ -798,8 +798,11 @@ class ModelRunner:
         return out.logits[0, :, : self.vocab_size].float(), siblings
 
     def _features(self, ordered: list[PassRow], tokens: int) -> torch.Tensor:
-        """``[T, hidden]``: the feature each packed token reads (rows in packed order): its predecessor's in the
-        target's cache where the target has run there, else the draft's own from an earlier pass, else zeros."""
+        """``[T, hidden]``: the feature each packed token reads (rows in packed order): zeros for a token of the
+        row's prompt (:attr:`PassRow.prompt`), whatever the target holds there, so that a prompt's keys depend on its
+        tokens alone and a cached prompt block holds what computing it would (with prefix caching the target may hold
+        a prompt's first blocks already); past the prompt, its predecessor's in the target's cache where the target
+        has run there, else the draft's own from an earlier pass, else zeros."""
         assert self._draft is not None and self._target_cache is not None
         size = self.cache.block_size
         theirs: tuple[list[int], list[int]] = ([], [])  # (packed index, target slot)
@@ -808,7 +811,7 @@ class ModelRunner:
         for row in ordered:
             start, end = row.kv.length, len(row.tokens)
             seen = row.target.length if row.target is not None else 0
-            for p in range(max(start, 1), end):
+            for p in range(max(start, 1, row.prompt), end):
                 q = p - 1
                 if q < seen:
                     assert row.target is not None

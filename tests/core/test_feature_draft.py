@@ -380,3 +380,33 @@ def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_
         engine.draft_bfloat16 = True
         assert engine.draft_bfloat16 is False and "stay as they are" in caplog.text
     engine.close()
+
+
+@pytest.mark.parametrize("policy", [EASD(gamma=3), SpeculativeDecoding(gamma=3)], ids=lambda p: p.name)
+def test_a_drafts_prompt_reads_no_features_so_a_cached_prompt_drafts_as_one_computed(
+    feature_pair: tuple[Path, Path], policy: object
+) -> None:
+    """A prompt's positions read zeros in the draft, whatever the target holds there: with prefix caching the target
+    may hold a prompt's first blocks already (another prompt's), and reading them made the draft's keys, and so its
+    drafts, entropies and EASD's text, depend on what ran before (SmolLM2's shipped draft: one of 8 chat answers
+    changed under EASD once earlier prompts had cached the chat template's blocks). Cold, warm (hits on another
+    prompt's blocks and on its own) and with caching off, every token, role and entropy is the same."""
+    gen = torch.Generator().manual_seed(5)
+    shared = torch.randint(5, 300, (40,), generator=gen).tolist()
+    prompts = [[*shared, *torch.randint(5, 300, (n,), generator=gen).tolist()] for n in (3, 9, 21)]
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
+    config = LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu")
+    engines = [Engine(load_pair(config)) for _ in range(2)]
+    engines[0].prefix_caching = False
+    try:
+        plain = engines[0].generate([Request(p, policy, params) for p in prompts])
+        cold = [engines[1].generate([Request(p, policy, params)])[0] for p in prompts]  # each after the last
+        warm = [engines[1].generate([Request(p, policy, params)])[0] for p in prompts]
+    finally:
+        for engine in engines:
+            engine.close()
+    assert [c.cost.large_cached_tokens for c in cold] == [0, 32, 32]
+    assert [c.cost.small_cached_tokens for c in cold] == [0, 32, 32]
+    for got in (cold, warm):
+        for a, b in zip(plain, got, strict=True):
+            assert a.token_ids == b.token_ids and a.roles == b.roles and a.entropies == b.entropies
