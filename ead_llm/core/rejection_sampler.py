@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ead_llm.core.ops import best, entropy_and_best, entropy_bits, filtered_probs, sorts_whole_rows
+from ead_llm.core.ops import best, entropy_and_best, filtered_probs, sorts_whole_rows
 from ead_llm.core.sampler import LANE_ACCEPT, LANE_RESIDUAL, inverse_cdf, row_blocks, uniforms
 from ead_llm.core.transfer import upload
 from ead_llm.core.types import DraftRound, RoundVerdict
@@ -245,7 +245,8 @@ def _sibling_extra(
     read = judged & (accepted < batch.sibling_count) & (batch.sibling_tokens.gather(1, at).squeeze(1) == token)
     vocab = batch.sibling_logits.shape[-1]
     after = batch.sibling_logits.gather(1, at[..., None].expand(-1, -1, vocab)).squeeze(1)  # [R, V]
-    return torch.where(read, best(after), none), torch.where(read, entropy_bits(after), zero)
+    entropy, token = entropy_and_best(after)  # one read of the rows
+    return torch.where(read, token, none), torch.where(read, entropy, zero)
 
 
 def _probs(logits: torch.Tensor, temperature: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
