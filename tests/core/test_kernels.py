@@ -30,7 +30,8 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     out_features: int, in_features: int, with_bias: bool, bfloat16: bool
 ) -> None:
-    """Outputs past a panel's 16 columns, rows past the 6 a micro-kernel holds and the 64 a block keeps: every row
+    """Outputs past a panel's 16 columns, rows past the 6 a micro-kernel holds (in groups of even size: 7 rows as
+    4 + 3, 13 as 5 + 5 + 3, the later groups fetching the next panel) and the 64 a block keeps: every row
     of a 130-row call equals itself called alone, in any slice and at any offset, with ties, signed zeros and
     infinities in the rows; a NaN stays in its own row. With bfloat16 weights (a draft's), the values are F.linear's
     on the weight rounded to bfloat16, to float32 rounding: the widening is exact."""
@@ -48,7 +49,8 @@ def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     reference = weight.bfloat16().float() if bfloat16 else weight
     torch.testing.assert_close(whole[7:], F.linear(x[7:], reference, bias), rtol=1e-5, atol=1e-5)
     assert whole[6].isnan().all() and not whole[7:].isnan().any()
-    for start, stop in [(0, 1), (6, 7), (0, 3), (2, 9), (60, 70), (63, 65), (1, 130), (129, 130), (5, 69)]:
+    slices = [(0, 1), (6, 7), (0, 3), (2, 9), (9, 17), (10, 23), (60, 70), (63, 65), (1, 130), (129, 130), (5, 69)]
+    for start, stop in slices:
         assert same_bits(kernels.linear(x[start:stop], packed, out_features, bias), whole[start:stop]), (start, stop)
 
 
