@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import multiprocessing
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -476,3 +480,74 @@ def test_a_greedy_passs_entropy_and_token_come_from_one_read_with_each_functions
         patch.setattr(ops, "on_kernel", lambda x: False)  # torch's formula and rule for every row
         torch.testing.assert_close(out.entropy_bits[[2, 3, 4]], ops.entropy_bits(logits[[2, 3, 4]]), equal_nan=True)
         assert torch.equal(out.tokens[[2, 3, 4]], ops.best(logits[[2, 3, 4]]))
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bfloat16", [False, True], ids=["float32", "bfloat16-weights"])
+def test_a_rows_bits_are_the_same_on_one_thread_or_several(bfloat16: bool) -> None:
+    """torch's threads share a call's panels out (whole panels: each output is still one chain on one thread), so a
+    row gets the same bits on 1, 2 or 3 threads, in calls of 1 to 70 rows, with the fused call's norm, gate, residual
+    and rotary turn. The kernel is built with OpenMP where the compiler has it (here: gcc)."""
+    assert kernels.threaded()
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 64, generator=gen)  # 13 panels
+    packed = kernels.pack(weight, bfloat16=bfloat16)
+    x = torch.randn(70, 64, generator=gen)
+    gate_up = torch.randn(70, 128, generator=gen)
+    residual = torch.randn(70, 200, generator=gen)
+    angles = torch.rand(70, 4, generator=gen)
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((-angles.sin(), angles.sin()), -1)
+    calls = {
+        "linear": lambda rows: kernels.linear(x[rows], packed, 200, None),
+        "norm, rotary": lambda rows: kernels.fused(
+            x[rows], packed, 200, None, norm=(torch.ones(64), 1e-5), rotary=(cos[rows], sin[rows], 3)
+        ),
+        "gated, residual": lambda rows: kernels.fused(
+            gate_up[rows], packed, 200, None, gated=True, residual=residual[rows]
+        ),
+    }
+    for name, call in calls.items():
+        for rows in (slice(0, 1), slice(3, 10), slice(0, 13), slice(0, 70)):
+            with _threads(1):
+                alone = call(rows)
+            for count in (2, 3):
+                with _threads(count):
+                    assert same_bits(call(rows), alone), (name, rows, count)
+
+
+def _forked_linear(packed: torch.Tensor, x: torch.Tensor, out: Any) -> None:
+    torch.set_num_threads(2)
+    out.put(kernels.linear(x, packed, 200, None).tolist())
+
+
+@needs_kernel
+def test_a_process_forked_after_threaded_calls_runs_the_kernel_on_one_thread() -> None:
+    """GNU OpenMP's pool does not survive a fork: a child forked after the parent ran the kernel on two threads
+    would wait for threads it does not have. The kernel runs such a child's calls on one thread, with the same bits
+    (a hang here fails on the timeout)."""
+    gen = torch.Generator().manual_seed(4)
+    packed = kernels.pack(torch.randn(200, 64, generator=gen))
+    x = torch.randn(5, 64, generator=gen)
+    with _threads(2):
+        want = kernels.linear(x, packed, 200, None)
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    child = context.Process(target=_forked_linear, args=(packed, x, out))
+    child.start()
+    try:
+        got = out.get(timeout=60)
+    finally:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+    assert same_bits(torch.tensor(got), want)

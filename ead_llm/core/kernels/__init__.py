@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("rows.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 """``-ffp-contract=off``: the compiler fuses nothing the source does not (the bias is added after each chain)."""
+THREADS_FLAG = "-fopenmp"
+"""Shares a projection's panels among torch's threads (:func:`torch.get_num_threads`); a compiler without OpenMP
+builds the kernel without it (one thread). The library then shares torch's OpenMP runtime (``libgomp.so.1``)."""
 DISABLE = "EAD_LLM_NATIVE_KERNEL"
 """Set to ``0`` to keep the engine on torch's kernels."""
 
@@ -70,13 +73,13 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler: ead-llm's own CPU kernel is not built, torch's run")
         return None
-    digest = hashlib.sha256(" ".join((VERSION, compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"rows-{digest}.so"
     try:
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _build(compiler, target)
-        library = ctypes.CDLL(str(target))
+        library = _built(compiler, (*FLAGS, THREADS_FLAG))
+    except (OSError, subprocess.SubprocessError) as error:
+        log.info("ead-llm's own CPU kernel did not build with OpenMP (%s): built for one thread", error)
+        library = None
+    try:
+        library = library or _built(compiler, FLAGS)
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         log.warning("ead-llm's own CPU kernel did not build (%s %s): torch's kernels run", error, detail[-400:])
@@ -87,11 +90,11 @@ def _load() -> ctypes.CDLL | None:
     library.ead_rows_pack16.argtypes = [pointer, int64, int64, pointer]
     library.ead_rows_pack16.restype = None
     for linear in (library.ead_rows_linear, library.ead_rows_linear_bf16):
-        linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer]
+        linear.argtypes = [pointer, int64, int64, pointer, int64, pointer, pointer, int64]
         linear.restype = None
     for fused in (library.ead_rows_fused, library.ead_rows_fused_bf16):
         fused.argtypes = [pointer, int64, int64, pointer, ctypes.c_float, int64, pointer, int64, pointer, pointer]
-        fused.argtypes += [pointer, pointer, pointer, int64, int64]
+        fused.argtypes += [pointer, pointer, pointer, int64, int64, int64]
         fused.restype = int64
     library.ead_attend.argtypes = [pointer, int64, int64, int64, int64, int64, int64, pointer, pointer, int64, int64]
     library.ead_attend.argtypes += [pointer, int64, pointer, ctypes.c_float, pointer]
@@ -101,10 +104,27 @@ def _load() -> ctypes.CDLL | None:
     library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer]
     library.ead_nucleus.restype = int64
     library.ead_rows_panel_width.restype = int64
+    library.ead_rows_threaded.restype = int64
     return library
 
 
-def _build(compiler: str, target: Path) -> None:
+def _built(compiler: str, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """The library built with ``flags`` (from the cache folder when it was built before)."""
+    digest = hashlib.sha256(" ".join((VERSION, compiler, *flags)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"rows-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _build(compiler, flags, target)
+    return ctypes.CDLL(str(target))
+
+
+def threaded() -> bool:
+    """Whether the kernel shares a call's panels among torch's threads (built with OpenMP)."""
+    library = _library()
+    return library is not None and bool(library.ead_rows_threaded())
+
+
+def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     """Compile into a file beside ``target``, then rename it there: a process loading it never sees it half
     written, and a build that fails leaves nothing behind."""
     handle, name = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -112,7 +132,7 @@ def _build(compiler: str, target: Path) -> None:
     scratch = Path(name)
     try:
         subprocess.run(
-            [compiler, *FLAGS, str(SOURCE), "-o", str(scratch), "-lm"], check=True, capture_output=True, timeout=120
+            [compiler, *flags, str(SOURCE), "-o", str(scratch), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(scratch, target)
     finally:
@@ -155,7 +175,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     rows = x.numel() // k if k else 0
     if rows:
         bias_at = None if bias is None else bias.contiguous().data_ptr()
-        run(x.data_ptr(), rows, k, packed.data_ptr(), out_features, bias_at, out.data_ptr())
+        run(x.data_ptr(), rows, k, packed.data_ptr(), out_features, bias_at, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -223,6 +243,7 @@ def fused(
         None if sin is None else sin.data_ptr(),
         heads,
         dim,
+        torch.get_num_threads(),
     )
     if status:
         raise MemoryError(f"the kernel could not allocate its scratch for {rows} rows of {k}")

@@ -15,6 +15,26 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Threads: a call's panels are shared out among `threads` OpenMP threads (whole panels, so each output is still one
+ * chain computed by one thread: the same bits with any thread count). A child process forked after the parent ran
+ * threads runs on one (GNU OpenMP's pool does not survive a fork). Built without OpenMP, every call runs on one. */
+#ifdef _OPENMP
+#include <pthread.h>
+static volatile int forked = 0;
+static void in_child(void) { forked = 1; }
+__attribute__((constructor)) static void watch_forks(void) { pthread_atfork(0, 0, in_child); }
+#define TEAM(threads, panels) ((threads) > 1 && !forked && (panels) >= 2 * (threads) ? (threads) : 1)
+#else
+#define TEAM(threads, panels) 1
+#endif
+int64_t ead_rows_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 #define NR 16        /* outputs per panel: two AVX2 vectors, 64 bytes per input */
 #define MR 6         /* rows per micro-kernel call */
 #define ROW_BLOCK 64 /* rows kept in the cache while every panel passes over them */
@@ -197,11 +217,12 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
         micro6##NAME##_cached};                                                                                       \
     /* one block of rows (x: [m][k]; residual and out: [m][n]) over every panel */                                 \
     static void block##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,      \
-                            const float *residual, float *out) {                                                      \
-        int64_t panels = (n + NR - 1) / NR;                                                                           \
+                            const float *residual, float *out, int64_t threads) {                                     \
+        int64_t panels = (n + NR - 1) / NR, team = TEAM(threads, panels);                                             \
         /* groups of even size (7 rows: 4 + 3, not 6 + 1: a group of 1 to 4 rows costs its chains' latency) */         \
         int64_t least = (m + MR - 1) / MR, step = (m + least - 1) / least;                                            \
         int64_t groups = (m + step - 1) / step, share = (k + groups - 1) / groups;                                    \
+        _Pragma("omp parallel for num_threads(team) schedule(static) if(team > 1)")                                  \
         for (int64_t p = 0; p < panels; p++) {                                                                        \
             const W *w = packed + p * k * NR;                                                                         \
             int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                         \
@@ -220,9 +241,10 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
     }                                                                                                                 \
     /* x: [m][k] contiguous; packed: the pack's layout of an [n][k] weight; bias: [n] or NULL; out: [m][n]. */       \
     void ead_rows_linear##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,  \
-                               float *out) {                                                                          \
+                               float *out, int64_t threads) {                                                         \
         for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK)                                                                 \
-            block##NAME(x + r0 * k, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, k, packed, n, bias, 0, out + r0 * n);    \
+            block##NAME(x + r0 * k, m - r0 < ROW_BLOCK ? m - r0 : ROW_BLOCK, k, packed, n, bias, 0, out + r0 * n,     \
+                        threads);                                                                                     \
     }                                                                                                                 \
     /* A projection with the work around it, block by block of rows (one call instead of a dozen small operations): \
      * the input is x's rows RMS-normalised (norm: the norm's weight) or, with gated, x's rows [gate | up] of 2k    \
@@ -231,7 +253,8 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
      * when it could not allocate its scratch (nothing written). */                                                  \
     int64_t ead_rows_fused##NAME(const float *x, int64_t m, int64_t k, const float *norm, float eps, int64_t gated,  \
                                  const W *packed, int64_t n, const float *bias, const float *residual, float *out,    \
-                                 const float *cos, const float *sin, int64_t rotary_heads, int64_t dim) {             \
+                                 const float *cos, const float *sin, int64_t rotary_heads, int64_t dim,               \
+                                 int64_t threads) {                                                                   \
         float *scratch = 0;                                                                                           \
         if (norm || gated) {                                                                                          \
             scratch = (float *)malloc((size_t)(m < ROW_BLOCK ? m : ROW_BLOCK) * (size_t)k * sizeof(float));           \
@@ -247,7 +270,7 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
                 for (int64_t r = 0; r < rows; r++) silu_gate_row(x + (r0 + r) * 2 * k, k, scratch + r * k);          \
                 in = scratch;                                                                                         \
             }                                                                                                         \
-            block##NAME(in, rows, k, packed, n, bias, residual ? residual + r0 * n : 0, out + r0 * n);                \
+            block##NAME(in, rows, k, packed, n, bias, residual ? residual + r0 * n : 0, out + r0 * n, threads);       \
             if (cos)                                                                                                  \
                 for (int64_t r = r0; r < r0 + rows; r++) rotate_row(out + r * n, rotary_heads, dim, cos + r * dim,     \
                                                                     sin + r * dim);                                   \
