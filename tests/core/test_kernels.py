@@ -497,8 +497,7 @@ def _threads(count: int) -> Iterator[None]:
 def test_a_rows_bits_are_the_same_on_one_thread_or_several(bfloat16: bool) -> None:
     """torch's threads share a call's panels out (whole panels: each output is still one chain on one thread), so a
     row gets the same bits on 1, 2 or 3 threads, in calls of 1 to 70 rows, with the fused call's norm, gate, residual
-    and rotary turn. The kernel is built with OpenMP where the compiler has it (here: gcc)."""
-    assert kernels.threaded()
+    and rotary turn."""
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(200, 64, generator=gen)  # 13 panels
     packed = kernels.pack(weight, bfloat16=bfloat16)
@@ -532,9 +531,8 @@ def _forked_linear(packed: torch.Tensor, x: torch.Tensor, out: Any) -> None:
 
 @needs_kernel
 def test_a_process_forked_after_threaded_calls_runs_the_kernel_on_one_thread() -> None:
-    """GNU OpenMP's pool does not survive a fork: a child forked after the parent ran the kernel on two threads
-    would wait for threads it does not have. The kernel runs such a child's calls on one thread, with the same bits
-    (a hang here fails on the timeout)."""
+    """A child forked after the parent ran the kernel on two threads has none of the parent's helper threads (it
+    would wait for them forever): it runs its calls on one thread, with the same bits (a hang fails on the timeout)."""
     gen = torch.Generator().manual_seed(4)
     packed = kernels.pack(torch.randn(200, 64, generator=gen))
     x = torch.randn(5, 64, generator=gen)

@@ -32,11 +32,8 @@ from ead_llm.core.sources import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-pthread")
 """``-ffp-contract=off``: the compiler fuses nothing the source does not (the bias is added after each chain)."""
-THREADS_FLAG = "-fopenmp"
-"""Shares a projection's panels among torch's threads (:func:`torch.get_num_threads`); a compiler without OpenMP
-builds the kernel without it (one thread). The library then shares torch's OpenMP runtime (``libgomp.so.1``)."""
 DISABLE = "EAD_LLM_NATIVE_KERNEL"
 """Set to ``0`` to keep the engine on torch's kernels."""
 
@@ -74,12 +71,7 @@ def _load() -> ctypes.CDLL | None:
         log.info("no C compiler: ead-llm's own CPU kernel is not built, torch's run")
         return None
     try:
-        library = _built(compiler, (*FLAGS, THREADS_FLAG))
-    except (OSError, subprocess.SubprocessError) as error:
-        log.info("ead-llm's own CPU kernel did not build with OpenMP (%s): built for one thread", error)
-        library = None
-    try:
-        library = library or _built(compiler, FLAGS)
+        library = _built(compiler, FLAGS)
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         log.warning("ead-llm's own CPU kernel did not build (%s %s): torch's kernels run", error, detail[-400:])
@@ -104,7 +96,6 @@ def _load() -> ctypes.CDLL | None:
     library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer]
     library.ead_nucleus.restype = int64
     library.ead_rows_panel_width.restype = int64
-    library.ead_rows_threaded.restype = int64
     return library
 
 
@@ -116,12 +107,6 @@ def _built(compiler: str, flags: tuple[str, ...]) -> ctypes.CDLL:
         target.parent.mkdir(parents=True, exist_ok=True)
         _build(compiler, flags, target)
     return ctypes.CDLL(str(target))
-
-
-def threaded() -> bool:
-    """Whether the kernel shares a call's panels among torch's threads (built with OpenMP)."""
-    library = _library()
-    return library is not None and bool(library.ead_rows_threaded())
 
 
 def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:

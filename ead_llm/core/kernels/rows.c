@@ -15,25 +15,90 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Threads: a call's panels are shared out among `threads` OpenMP threads (whole panels, so each output is still one
- * chain computed by one thread: the same bits with any thread count). A child process forked after the parent ran
- * threads runs on one (GNU OpenMP's pool does not survive a fork). Built without OpenMP, every call runs on one. */
-#ifdef _OPENMP
+/* Threads: a call's panels are shared out among `threads` threads, whole panels each, so each output is still one
+ * chain computed by one thread: the same bits with any thread count. The helpers are ead-llm's own (a pool of
+ * pthreads, started on first use): one caller at a time uses them (another caller meanwhile, or a child process forked
+ * after they started, runs on its own thread), and each spins a while for the next task before it sleeps, since a
+ * decode step hands them one projection after another, a fraction of a millisecond each. (GNU OpenMP's pool, tried
+ * first, put its threads to sleep after every call once the process had more threads than cores, which costs
+ * more than a one-row projection saves.) */
 #include <pthread.h>
-static volatile int forked = 0;
-static void in_child(void) { forked = 1; }
+#define MAX_HELPERS 15
+#define SPINS 20000 /* pauses (some tenths of a millisecond) a helper waits for the next task before it sleeps */
+typedef void (*panel_work)(const void *args, int64_t first, int64_t last);
+static struct {
+    pthread_mutex_t use, sleep;
+    pthread_cond_t wake;
+    pthread_t threads[MAX_HELPERS];
+    int64_t started;
+    volatile int64_t generation, done, sleeping, forked;
+    panel_work work;
+    const void *args;
+    int64_t panels, parts;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static void in_child(void) { pool.forked = 1; }
 __attribute__((constructor)) static void watch_forks(void) { pthread_atfork(0, 0, in_child); }
-#define TEAM(threads, panels) ((threads) > 1 && !forked && (panels) >= 2 * (threads) ? (threads) : 1)
-#else
-#define TEAM(threads, panels) 1
-#endif
-int64_t ead_rows_threaded(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
+
+static void part_of(int64_t part, int64_t parts, int64_t panels, int64_t *first, int64_t *last) {
+    *first = panels * part / parts;
+    *last = panels * (part + 1) / parts;
 }
+
+static void *helper(void *arg) {
+    int64_t part = (int64_t)(intptr_t)arg, seen = 0;
+    for (;;) {
+        for (int64_t spins = 0; __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen;) {
+            if (++spins < SPINS) {
+                _mm_pause();
+                continue;
+            }
+            pthread_mutex_lock(&pool.sleep);
+            pool.sleeping++;
+            while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&pool.wake, &pool.sleep);
+            pool.sleeping--;
+            pthread_mutex_unlock(&pool.sleep);
+        }
+        seen = __atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE);
+        if (part < pool.parts) {
+            int64_t first, last;
+            part_of(part, pool.parts, pool.panels, &first, &last);
+            pool.work(pool.args, first, last);
+        }
+        __atomic_add_fetch(&pool.done, 1, __ATOMIC_ACQ_REL);
+    }
+    return 0;
+}
+
+/* work(args, first, last) over panels [0, panels), on up to `threads` threads (the caller's share is the first) */
+static void over_panels(panel_work work, const void *args, int64_t panels, int64_t threads) {
+    int64_t parts = threads < panels / 2 ? threads : panels / 2;
+    if (parts > MAX_HELPERS + 1) parts = MAX_HELPERS + 1;
+    if (parts < 2 || pool.forked || pthread_mutex_trylock(&pool.use)) {
+        work(args, 0, panels);
+        return;
+    }
+    while (pool.started < parts - 1) {
+        if (pthread_create(&pool.threads[pool.started], 0, helper, (void *)(intptr_t)(pool.started + 1))) break;
+        pool.started++;
+    }
+    if (pool.started < parts - 1) parts = pool.started + 1;
+    pool.work = work;
+    pool.args = args;
+    pool.panels = panels;
+    pool.parts = parts;
+    __atomic_store_n(&pool.done, 0, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&pool.sleep);
+    __atomic_add_fetch(&pool.generation, 1, __ATOMIC_ACQ_REL);
+    if (pool.sleeping) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.sleep);
+    int64_t first, last;
+    part_of(0, parts, panels, &first, &last);
+    work(args, first, last);
+    while (__atomic_load_n(&pool.done, __ATOMIC_ACQUIRE) < pool.started) _mm_pause();
+    pthread_mutex_unlock(&pool.use);
+}
+
 
 #define NR 16        /* outputs per panel: two AVX2 vectors, 64 bytes per input */
 #define MR 6         /* rows per micro-kernel call */
@@ -195,6 +260,15 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
         }                                                                                                             \
         REP##R(STORE)                                                                                                 \
     }
+/* one block of rows of a call, as the threads sharing its panels read it */
+struct block {
+    const float *x;
+    int64_t m, k;
+    const void *packed;
+    int64_t n;
+    const float *bias, *residual;
+    float *out;
+};
 /* the micro-kernels for one weight type, and the linear that runs them */
 #define KERNELS(NAME, W, LOADER)                                                                                      \
     MICRO(1, NAME, NOTHING, W, LOADER)                                                                                \
@@ -216,28 +290,36 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
         0, micro1##NAME, micro2##NAME##_cached, micro3##NAME##_cached, micro4##NAME##_cached, micro5##NAME##_cached,  \
         micro6##NAME##_cached};                                                                                       \
     /* one block of rows (x: [m][k]; residual and out: [m][n]) over every panel */                                 \
-    static void block##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,      \
-                            const float *residual, float *out, int64_t threads) {                                     \
-        int64_t panels = (n + NR - 1) / NR, team = TEAM(threads, panels);                                             \
+    /* panels [first, last) of one block of rows (x: [m][k]; residual and out: [m][n]) */                          \
+    static void panels##NAME(const void *arguments, int64_t first, int64_t last) {                                    \
+        const struct block *a = (const struct block *)arguments;                                                      \
+        const float *x = a->x, *bias = a->bias, *residual = a->residual;                                              \
+        const W *packed = (const W *)a->packed;                                                                       \
+        int64_t m = a->m, k = a->k, n = a->n;                                                                         \
+        float *out = a->out;                                                                                          \
         /* groups of even size (7 rows: 4 + 3, not 6 + 1: a group of 1 to 4 rows costs its chains' latency) */         \
         int64_t least = (m + MR - 1) / MR, step = (m + least - 1) / least;                                            \
         int64_t groups = (m + step - 1) / step, share = (k + groups - 1) / groups;                                    \
-        _Pragma("omp parallel for num_threads(team) schedule(static) if(team > 1)")                                  \
-        for (int64_t p = 0; p < panels; p++) {                                                                        \
+        for (int64_t p = first; p < last; p++) {                                                                      \
             const W *w = packed + p * k * NR;                                                                         \
             int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                         \
             const float *b = bias ? bias + p * NR : 0;                                                                \
             for (int64_t r = 0, g = 0; r < m; r += step, g++) {                                                       \
                 int64_t rows = m - r < step ? m - r : step;                                                           \
                 const float *res = residual ? residual + r * n + p * NR : 0;                                          \
-                if (groups > 1 && p + 1 < panels)                                                                     \
+                if (groups > 1 && p + 1 < last)                                                                       \
                     SPREADING##NAME[rows](x + r * k, k, w, k, out + r * n + p * NR, n, cols, b, res,                  \
                                           w + k * NR + g * share * NR, groups);                                       \
                 else                                                                                                  \
-                    (r == 0 && (p == 0 || groups == 1) ? FROM_MEMORY##NAME : FROM_CACHE##NAME)[rows](                 \
+                    (r == 0 && (p == first || groups == 1) ? FROM_MEMORY##NAME : FROM_CACHE##NAME)[rows](             \
                         x + r * k, k, w, k, out + r * n + p * NR, n, cols, b, res);                                   \
             }                                                                                                         \
         }                                                                                                             \
+    }                                                                                                                 \
+    static void block##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,      \
+                            const float *residual, float *out, int64_t threads) {                                     \
+        struct block a = {x, m, k, packed, n, bias, residual, out};                                                   \
+        over_panels(panels##NAME, &a, (n + NR - 1) / NR, threads);                                                    \
     }                                                                                                                 \
     /* x: [m][k] contiguous; packed: the pack's layout of an [n][k] weight; bias: [n] or NULL; out: [m][n]. */       \
     void ead_rows_linear##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,  \
