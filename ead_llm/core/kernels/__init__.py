@@ -70,8 +70,13 @@ def _load() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler: ead-llm's own CPU kernel is not built, torch's run")
         return None
+    digest = hashlib.sha256(" ".join((VERSION, compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"rows-{digest}.so"
     try:
-        library = _built(compiler, FLAGS)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _build(compiler, target)
+        library = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as error:
         detail = getattr(error, "stderr", b"") or b""
         log.warning("ead-llm's own CPU kernel did not build (%s %s): torch's kernels run", error, detail[-400:])
@@ -99,17 +104,7 @@ def _load() -> ctypes.CDLL | None:
     return library
 
 
-def _built(compiler: str, flags: tuple[str, ...]) -> ctypes.CDLL:
-    """The library built with ``flags`` (from the cache folder when it was built before)."""
-    digest = hashlib.sha256(" ".join((VERSION, compiler, *flags)).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"rows-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _build(compiler, flags, target)
-    return ctypes.CDLL(str(target))
-
-
-def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
+def _build(compiler: str, target: Path) -> None:
     """Compile into a file beside ``target``, then rename it there: a process loading it never sees it half
     written, and a build that fails leaves nothing behind."""
     handle, name = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -117,7 +112,7 @@ def _build(compiler: str, flags: tuple[str, ...], target: Path) -> None:
     scratch = Path(name)
     try:
         subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", str(scratch), "-lm"], check=True, capture_output=True, timeout=120
+            [compiler, *FLAGS, str(SOURCE), "-o", str(scratch), "-lm"], check=True, capture_output=True, timeout=120
         )
         os.replace(scratch, target)
     finally:
