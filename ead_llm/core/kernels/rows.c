@@ -29,7 +29,6 @@ typedef void (*panel_work)(const void *args, int64_t first, int64_t last);
 static struct {
     pthread_mutex_t use, sleep;
     pthread_cond_t wake;
-    pthread_t threads[MAX_HELPERS];
     int64_t started;
     volatile int64_t generation, done, sleeping, forked;
     panel_work work;
@@ -79,7 +78,9 @@ static void over_panels(panel_work work, const void *args, int64_t panels, int64
         return;
     }
     while (pool.started < parts - 1) {
-        if (pthread_create(&pool.threads[pool.started], 0, helper, (void *)(intptr_t)(pool.started + 1))) break;
+        pthread_t thread; /* never joined: a helper lives as long as the process */
+        if (pthread_create(&thread, 0, helper, (void *)(intptr_t)(pool.started + 1))) break;
+        pthread_detach(thread);
         pool.started++;
     }
     if (pool.started < parts - 1) parts = pool.started + 1;
@@ -289,7 +290,6 @@ struct block {
     static const micro##NAME##_kernel FROM_CACHE##NAME[MR + 1] = {                                                    \
         0, micro1##NAME, micro2##NAME##_cached, micro3##NAME##_cached, micro4##NAME##_cached, micro5##NAME##_cached,  \
         micro6##NAME##_cached};                                                                                       \
-    /* one block of rows (x: [m][k]; residual and out: [m][n]) over every panel */                                 \
     /* panels [first, last) of one block of rows (x: [m][k]; residual and out: [m][n]) */                          \
     static void panels##NAME(const void *arguments, int64_t first, int64_t last) {                                    \
         const struct block *a = (const struct block *)arguments;                                                      \
@@ -316,6 +316,7 @@ struct block {
             }                                                                                                         \
         }                                                                                                             \
     }                                                                                                                 \
+    /* one block of rows over every panel, the panels shared among `threads` threads */                             \
     static void block##NAME(const float *x, int64_t m, int64_t k, const W *packed, int64_t n, const float *bias,      \
                             const float *residual, float *out, int64_t threads) {                                     \
         struct block a = {x, m, k, packed, n, bias, residual, out};                                                   \
