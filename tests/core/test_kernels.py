@@ -34,7 +34,8 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     out_features: int, in_features: int, with_bias: bool, bfloat16: bool
 ) -> None:
-    """Outputs past a panel's 16 columns, rows past the 6 a micro-kernel holds (in groups of even size: 7 rows as
+    """Outputs past a panel's 16 columns (a row alone runs four whole panels at once, the rest one by one: 100
+    outputs are 4 + 3 panels), rows past the 6 a micro-kernel holds (in groups of even size: 7 rows as
     4 + 3, 13 as 5 + 5 + 3, the later groups fetching the next panel) and the 64 a block keeps: every row
     of a 130-row call equals itself called alone, in any slice and at any offset, with ties, signed zeros and
     infinities in the rows; a NaN stays in its own row. With bfloat16 weights (a draft's), the values are F.linear's

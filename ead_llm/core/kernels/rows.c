@@ -54,7 +54,8 @@ static void *helper(void *arg) {
             }
             pthread_mutex_lock(&pool.sleep);
             pool.sleeping++;
-            while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) pthread_cond_wait(&pool.wake, &pool.sleep);
+            while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen)
+                pthread_cond_wait(&pool.wake, &pool.sleep);
             pool.sleeping--;
             pthread_mutex_unlock(&pool.sleep);
         }
@@ -211,7 +212,8 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
     const __m256 w1 = _mm256_loadu_ps(w + i * NR + 8);
 /* bfloat16 weights (a draft's, whose products may round): widened to float32 exactly (the 16 bits moved up), then
  * the same float32 chain. Half the bytes of a memory-bound product, on any AVX2 CPU. */
-#define WIDEN(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define WIDEN(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD_BF16                                                                                                     \
     const __m256 w0 = WIDEN(w + i * NR);                                                                              \
     const __m256 w1 = WIDEN(w + i * NR + 8);
@@ -261,6 +263,27 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
         }                                                                                                             \
         REP##R(STORE)                                                                                                 \
     }
+/* One row over QUAD panels at once: a row alone has one chain per vector of outputs, and a panel's two run at their
+ * latency, not the memory's. QUAD panels give 2 * QUAD independent chains: on an AMD Zen 3, SmolLM2's float32
+ * products at one row went from 17 to 22 GB/s, a draft's bfloat16 ones from 15 to 21. Each output is still the one
+ * chain over k in order, stored as a panel alone stores it: the same bits. */
+#define QUAD 4
+#define LOAD_AT(p) _mm256_loadu_ps(p)
+#define QUAD_ACC(j) __m256 q##j##0 = _mm256_setzero_ps(), q##j##1 = _mm256_setzero_ps();
+#define QUAD_FMA(j, LD)                                                                                               \
+    q##j##0 = _mm256_fmadd_ps(v, LD(w + (j) * k * NR + i * NR), q##j##0);                                             \
+    q##j##1 = _mm256_fmadd_ps(v, LD(w + (j) * k * NR + i * NR + 8), q##j##1);
+#define QUAD_STORE(j)                                                                                                 \
+    store(out + (j) * NR, q##j##0, q##j##1, NR, bias ? bias + (j) * NR : 0, residual ? residual + (j) * NR : 0);
+#define ONE_ROW(SUFFIX, W, LD)                                                                                        \
+    static void quad##SUFFIX(const float *x, const W *w, int64_t k, float *out, const float *bias,                    \
+                             const float *residual) {                                                                 \
+        QUAD_ACC(0) QUAD_ACC(1) QUAD_ACC(2) QUAD_ACC(3) for (int64_t i = 0; i < k; i++) {                             \
+            const __m256 v = _mm256_broadcast_ss(x + i);                                                              \
+            QUAD_FMA(0, LD) QUAD_FMA(1, LD) QUAD_FMA(2, LD) QUAD_FMA(3, LD)                                           \
+        }                                                                                                             \
+        QUAD_STORE(0) QUAD_STORE(1) QUAD_STORE(2) QUAD_STORE(3)                                                       \
+    }
 /* one block of rows of a call, as the threads sharing its panels read it */
 struct block {
     const float *x;
@@ -271,7 +294,8 @@ struct block {
     float *out;
 };
 /* the micro-kernels for one weight type, and the linear that runs them */
-#define KERNELS(NAME, W, LOADER)                                                                                      \
+#define KERNELS(NAME, W, LOADER, LD)                                                                                  \
+    ONE_ROW(NAME, W, LD)                                                                                              \
     MICRO(1, NAME, NOTHING, W, LOADER)                                                                                \
     MICRO(2, NAME##_ahead, PREFETCH, W, LOADER) MICRO(3, NAME##_ahead, PREFETCH, W, LOADER)                           \
     MICRO(4, NAME##_ahead, PREFETCH, W, LOADER) MICRO(5, NAME##_ahead, PREFETCH, W, LOADER)                           \
@@ -300,7 +324,12 @@ struct block {
         /* groups of even size (7 rows: 4 + 3, not 6 + 1: a group of 1 to 4 rows costs its chains' latency) */         \
         int64_t least = (m + MR - 1) / MR, step = (m + least - 1) / least;                                            \
         int64_t groups = (m + step - 1) / step, share = (k + groups - 1) / groups;                                    \
-        for (int64_t p = first; p < last; p++) {                                                                      \
+        int64_t p = first;                                                                                            \
+        if (m == 1) /* whole panels QUAD at a time (the last, maybe partial, ones below) */                           \
+            for (; p + QUAD <= last && (p + QUAD) * NR <= n; p += QUAD)                                               \
+                quad##NAME(x, packed + p * k * NR, k, out + p * NR, bias ? bias + p * NR : 0,                         \
+                           residual ? residual + p * NR : 0);                                                         \
+        for (; p < last; p++) {                                                                                       \
             const W *w = packed + p * k * NR;                                                                         \
             int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                         \
             const float *b = bias ? bias + p * NR : 0;                                                                \
@@ -361,8 +390,8 @@ struct block {
         free(scratch);                                                                                                \
         return 0;                                                                                                     \
     }
-KERNELS(, float, LOAD)
-KERNELS(_bf16, uint16_t, LOAD_BF16)
+KERNELS(, float, LOAD, LOAD_AT)
+KERNELS(_bf16, uint16_t, LOAD_BF16, WIDEN)
 
 /* ---- attention where the paged cache holds the keys ---------------------------------------------------------- */
 
@@ -552,16 +581,18 @@ static int64_t next_digit(const double *hist, int64_t bins, double *before, doub
 }
 
 /* Per row of scaled [rows][stride] (vocab values at most 0, temperature applied, the maximum at 0): the nucleus
- * floor, as ops.nucleus_by_digits finds it: the value v whose strictly larger values weigh less than top_p * (1 - rtol) of the kept mass while those at or above it
- * reach it, found a digit of its magnitude bits at a time (13, 9, 9 bits) from float64 histograms of exp(value). It
+ * floor, as ops.nucleus_by_digits finds it: the value v whose strictly larger values weigh less than
+ * top_p * (1 - rtol) of the kept mass while those at or above it reach it, found a digit of its magnitude bits at a
+ * time (13, 9, 9 bits) from float64 histograms of exp(value). It
  * writes v to floor_out (-inf where top_p >= 1). With u (a uniform per row), it also draws token_out
  * by inverse CDF over the kept values' weights in token-id order: the first token whose cumulative weight exceeds u
  * times their total (blocks of 512 summed in eight lanes, the blocks and the tokens of the block the draw falls in
  * added in float64; the block's last kept token where rounding runs past its end). The weights are exp8's, zero
  * below -87 (float32's exp there is below 1e-37 of the maximum's). Every row's numbers
- * depend on that row alone. A row holding a NaN or a value above 0, or no weight, gets a NaN floor and token -1 (the caller works it out its own way). Returns 0, or -1 when the scratch could not be
- * allocated. */
-int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t stride, const float *top_p, double rtol, const double *u, float *floor_out, int64_t *token_out) {
+ * depend on that row alone. A row holding a NaN or a value above 0, or no weight, gets a NaN floor and token -1
+ * (the caller works it out its own way). Returns 0, or -1 when the scratch could not be allocated. */
+int64_t ead_nucleus(const float *scaled, int64_t rows, int64_t vocab, int64_t stride, const float *top_p, double rtol,
+                    const double *u, float *floor_out, int64_t *token_out) {
     float *weights = (float *)malloc((size_t)vocab * sizeof(float));
     uint32_t *keys = (uint32_t *)malloc((size_t)vocab * sizeof(uint32_t));
     float *mass = (float *)malloc((size_t)vocab * sizeof(float));
