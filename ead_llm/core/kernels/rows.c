@@ -207,16 +207,16 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
         const float *residual
 /* the accumulators are named, one pair per row, so they stay in registers */
 #define ACC(r) __m256 a##r##0 = _mm256_setzero_ps(), a##r##1 = _mm256_setzero_ps();
-#define LOAD                                                                                                          \
-    const __m256 w0 = _mm256_loadu_ps(w + i * NR);                                                                    \
-    const __m256 w1 = _mm256_loadu_ps(w + i * NR + 8);
-/* bfloat16 weights (a draft's, whose products may round): widened to float32 exactly (the 16 bits moved up), then
- * the same float32 chain. Half the bytes of a memory-bound product, on any AVX2 CPU. */
+/* eight weights as float32: LOAD_AT for float32 weights; WIDEN for bfloat16 ones (a draft's, whose products may
+ * round), widened exactly (the 16 bits moved up), then the same float32 chain: half the bytes of a memory-bound
+ * product, on any AVX2 CPU */
+#define LOAD_AT(p) _mm256_loadu_ps(p)
 #define WIDEN(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
-#define LOAD_BF16                                                                                                     \
-    const __m256 w0 = WIDEN(w + i * NR);                                                                              \
-    const __m256 w1 = WIDEN(w + i * NR + 8);
+/* a panel's 16 weights of input i, loaded by LD */
+#define LOAD(LD)                                                                                                      \
+    const __m256 w0 = LD(w + i * NR);                                                                                 \
+    const __m256 w1 = LD(w + i * NR + 8);
 #define FMA(r)                                                                                                        \
     {                                                                                                                 \
         const __m256 v = _mm256_broadcast_ss(x + (r) * ldx + i);                                                      \
@@ -239,10 +239,10 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
 #define PREFETCH _mm_prefetch((const char *)(w + i * NR) + AHEAD, _MM_HINT_T0);
 #define NOTHING
 
-#define MICRO(R, SUFFIX, AHEAD_OF, W, LOADER)                                                                         \
+#define MICRO(R, SUFFIX, AHEAD_OF, W, LD)                                                                             \
     static void micro##R##SUFFIX(ARGS(W)) {                                                                           \
         REP##R(ACC) for (int64_t i = 0; i < k; i++) {                                                                 \
-            AHEAD_OF LOADER REP##R(FMA)                                                                               \
+            AHEAD_OF LOAD(LD) REP##R(FMA)                                                                             \
         }                                                                                                             \
         REP##R(STORE)                                                                                                 \
     }
@@ -251,7 +251,7 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
  * line every `every` steps (`every`: the panel's group count, so the groups together ask for the whole panel once,
  * at the pace they consume theirs), and the next panel's first group finds it in the cache too. On an AMD Zen 3 this
  * took SmolLM2's pass of 7 to 16 tokens from 44-72 to 35-59 ms (1 to 6 tokens, one group, unchanged). */
-#define SPREAD(R, SUFFIX, W, LOADER)                                                                                  \
+#define SPREAD(R, SUFFIX, W, LD)                                                                                      \
     static void spread##R##SUFFIX(ARGS(W), const W *next, int64_t every) {                                            \
         REP##R(ACC) for (int64_t i = 0, due = 0, line = 0; i < k; i++) {                                              \
             if (i == due) {                                                                                           \
@@ -259,7 +259,7 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
                 line++;                                                                                               \
                 due += every;                                                                                         \
             }                                                                                                         \
-            LOADER REP##R(FMA)                                                                                        \
+            LOAD(LD) REP##R(FMA)                                                                                      \
         }                                                                                                             \
         REP##R(STORE)                                                                                                 \
     }
@@ -268,7 +268,6 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
  * products at one row went from 17 to 22 GB/s, a draft's bfloat16 ones from 15 to 21. Each output is still the one
  * chain over k in order, stored as a panel alone stores it: the same bits. */
 #define QUAD 4
-#define LOAD_AT(p) _mm256_loadu_ps(p)
 #define QUAD_ACC(j) __m256 q##j##0 = _mm256_setzero_ps(), q##j##1 = _mm256_setzero_ps();
 #define QUAD_FMA(j, LD)                                                                                               \
     q##j##0 = _mm256_fmadd_ps(v, LD(w + (j) * k * NR + i * NR), q##j##0);                                             \
@@ -294,16 +293,16 @@ struct block {
     float *out;
 };
 /* the micro-kernels for one weight type, and the linear that runs them */
-#define KERNELS(NAME, W, LOADER, LD)                                                                                  \
+#define KERNELS(NAME, W, LD)                                                                                          \
     ONE_ROW(NAME, W, LD)                                                                                              \
-    MICRO(1, NAME, NOTHING, W, LOADER)                                                                                \
-    MICRO(2, NAME##_ahead, PREFETCH, W, LOADER) MICRO(3, NAME##_ahead, PREFETCH, W, LOADER)                           \
-    MICRO(4, NAME##_ahead, PREFETCH, W, LOADER) MICRO(5, NAME##_ahead, PREFETCH, W, LOADER)                           \
-    MICRO(6, NAME##_ahead, PREFETCH, W, LOADER) MICRO(2, NAME##_cached, NOTHING, W, LOADER)                           \
-    MICRO(3, NAME##_cached, NOTHING, W, LOADER) MICRO(4, NAME##_cached, NOTHING, W, LOADER)                           \
-    MICRO(5, NAME##_cached, NOTHING, W, LOADER) MICRO(6, NAME##_cached, NOTHING, W, LOADER)                           \
-    SPREAD(1, NAME, W, LOADER) SPREAD(2, NAME, W, LOADER) SPREAD(3, NAME, W, LOADER) SPREAD(4, NAME, W, LOADER)       \
-    SPREAD(5, NAME, W, LOADER) SPREAD(6, NAME, W, LOADER)                                                             \
+    MICRO(1, NAME, NOTHING, W, LD)                                                                                    \
+    MICRO(2, NAME##_ahead, PREFETCH, W, LD) MICRO(3, NAME##_ahead, PREFETCH, W, LD)                                   \
+    MICRO(4, NAME##_ahead, PREFETCH, W, LD) MICRO(5, NAME##_ahead, PREFETCH, W, LD)                                   \
+    MICRO(6, NAME##_ahead, PREFETCH, W, LD) MICRO(2, NAME##_cached, NOTHING, W, LD)                                   \
+    MICRO(3, NAME##_cached, NOTHING, W, LD) MICRO(4, NAME##_cached, NOTHING, W, LD)                                   \
+    MICRO(5, NAME##_cached, NOTHING, W, LD) MICRO(6, NAME##_cached, NOTHING, W, LD)                                   \
+    SPREAD(1, NAME, W, LD) SPREAD(2, NAME, W, LD) SPREAD(3, NAME, W, LD) SPREAD(4, NAME, W, LD)                       \
+    SPREAD(5, NAME, W, LD) SPREAD(6, NAME, W, LD)                                                                     \
     typedef void (*spread##NAME##_kernel)(ARGS(W), const W *, int64_t);                                               \
     static const spread##NAME##_kernel SPREADING##NAME[MR + 1] = {                                                    \
         0, spread1##NAME, spread2##NAME, spread3##NAME, spread4##NAME, spread5##NAME, spread6##NAME};                 \
@@ -390,8 +389,8 @@ struct block {
         free(scratch);                                                                                                \
         return 0;                                                                                                     \
     }
-KERNELS(, float, LOAD, LOAD_AT)
-KERNELS(_bf16, uint16_t, LOAD_BF16, WIDEN)
+KERNELS(, float, LOAD_AT)
+KERNELS(_bf16, uint16_t, WIDEN)
 
 /* ---- attention where the paged cache holds the keys ---------------------------------------------------------- */
 
