@@ -34,8 +34,8 @@ needs_kernel = pytest.mark.skipif(not kernels.available(), reason="no C compiler
 def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     out_features: int, in_features: int, with_bias: bool, bfloat16: bool
 ) -> None:
-    """Outputs past a panel's 16 columns (a row alone runs four whole panels at once, the rest one by one: 100
-    outputs are 4 + 3 panels), rows past the 6 a micro-kernel holds (in groups of even size: 7 rows as
+    """Outputs past a panel's 16 columns (a row alone, or 2 to 4 float32 rows, run four whole panels at once, the rest
+    one by one: 100 outputs are 4 + 3 panels), rows past the 6 a micro-kernel holds (in groups of even size: 7 rows as
     4 + 3, 13 as 5 + 5 + 3, the later groups fetching the next panel) and the 64 a block keeps: every row
     of a 130-row call equals itself called alone, in any slice and at any offset, with ties, signed zeros and
     infinities in the rows; a NaN stays in its own row. With bfloat16 weights (a draft's), the values are F.linear's
@@ -54,7 +54,20 @@ def test_a_row_gets_the_same_bits_in_every_call_and_f_linear_values_to_rounding(
     reference = weight.bfloat16().float() if bfloat16 else weight
     torch.testing.assert_close(whole[7:], F.linear(x[7:], reference, bias), rtol=1e-5, atol=1e-5)
     assert whole[6].isnan().all() and not whole[7:].isnan().any()
-    slices = [(0, 1), (6, 7), (0, 3), (2, 9), (9, 17), (10, 23), (60, 70), (63, 65), (1, 130), (129, 130), (5, 69)]
+    slices = [
+        (0, 1),
+        (6, 7),
+        (0, 3),
+        (20, 24),
+        (2, 9),
+        (9, 17),
+        (10, 23),
+        (60, 70),
+        (63, 65),
+        (1, 130),
+        (129, 130),
+        (5, 69),
+    ]
     for start, stop in slices:
         assert same_bits(kernels.linear(x[start:stop], packed, out_features, bias), whole[start:stop]), (start, stop)
 
@@ -199,7 +212,7 @@ def test_the_fused_projection_gives_a_layers_values_and_a_rows_bits_in_any_call(
             assert not torch.cat((whole[:6], whole[7:])).isnan().any()
         torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-4, equal_nan=True, msg=name)
         whole = kernels.fused(inputs, packed, out_features, bias, **options)
-        for start, stop in [(0, 1), (7, 8), (2, 9), (60, 70), (129, 130), (5, 69)]:
+        for start, stop in [(0, 1), (7, 8), (2, 6), (2, 9), (60, 70), (129, 130), (5, 69)]:
             part = dict(options)
             if "residual" in part:
                 part["residual"] = residual[start:stop]
@@ -517,7 +530,7 @@ def test_a_rows_bits_are_the_same_on_one_thread_or_several(bfloat16: bool) -> No
         ),
     }
     for name, call in calls.items():
-        for rows in (slice(0, 1), slice(3, 10), slice(0, 13), slice(0, 70)):
+        for rows in (slice(0, 1), slice(3, 7), slice(3, 10), slice(0, 13), slice(0, 70)):
             with _threads(1):
                 alone = call(rows)
             for count in (2, 3):
