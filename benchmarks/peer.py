@@ -345,40 +345,57 @@ def outside_forward(engine: Engine, requests: list[Request], repeats: int) -> di
 # -- (d), (e) ---------------------------------------------------------------------------------------
 
 
-@torch.inference_mode()  # as the engine's step runs: its cache holds inference tensors
-def forward_s(runner: ModelRunner, batch: int, repeats: int = 15) -> float:
-    """Median seconds of one decode forward of ``runner``'s model over ``batch`` rows of 64 positions (the model
-    alone, through the engine's runner, no scheduling or sampling)."""
-    gen = torch.Generator().manual_seed(batch)
-    tokens = [torch.randint(4, runner.vocab_size, (65,), generator=gen).tolist() for _ in range(batch)]
-    kvs = [SequenceKV() for _ in range(batch)]
-    for kv in kvs:
-        runner.cache.reserve(kv, 65)
-    runner.execute([PassRow(kv, t[:64]) for kv, t in zip(kvs, tokens, strict=True)])  # the prompts
+class DecodeForward:
+    """One decode forward of ``runner``'s model over ``batch`` rows of 64 positions (the model alone, through the
+    engine's runner, no scheduling or sampling), prepared once and timed as often as asked."""
 
-    rows = list(zip(kvs, tokens, strict=True))
-    times = []
-    for _ in range(repeats):
-        for kv in kvs:
+    @torch.inference_mode()  # as the engine's step runs: its cache holds inference tensors
+    def __init__(self, runner: ModelRunner, batch: int) -> None:
+        self.runner = runner
+        gen = torch.Generator().manual_seed(batch)
+        tokens = [torch.randint(4, runner.vocab_size, (65,), generator=gen).tolist() for _ in range(batch)]
+        self.kvs = [SequenceKV() for _ in range(batch)]
+        for kv in self.kvs:
             runner.cache.reserve(kv, 65)
+        runner.execute([PassRow(kv, t[:64]) for kv, t in zip(self.kvs, tokens, strict=True)])  # the prompts
+        self.rows = list(zip(self.kvs, tokens, strict=True))
+
+    @torch.inference_mode()
+    def __call__(self) -> float:
+        """Seconds of one forward of the 65th token of every row."""
+        for kv in self.kvs:
+            self.runner.cache.reserve(kv, 65)
         start = time.perf_counter()
-        out = runner.execute([PassRow(kv, t) for kv, t in rows])
-        times.append(time.perf_counter() - start)
+        out = self.runner.execute([PassRow(kv, t) for kv, t in self.rows])
+        seconds = time.perf_counter() - start
         if out.failures:
             raise next(iter(out.failures.values()))
-        for kv in kvs:
-            runner.cache.truncate(kv, 64)
-    for kv in kvs:
-        runner.cache.free(kv)
-    return statistics.median(times)
+        for kv in self.kvs:
+            self.runner.cache.truncate(kv, 64)
+        return seconds
+
+    def close(self) -> None:
+        for kv in self.kvs:
+            self.runner.cache.free(kv)
 
 
-def forward_times(engine: Engine, callers: int) -> tuple[float, float]:
+def forward_times(engine: Engine, callers: int, rounds: int = 5, run: int = 3) -> tuple[float, float]:
     """``t(1)`` and ``t(callers)``: one decode forward of each model of the pair, added up, at 1 and ``callers``
-    rows."""
-    alone = sum(forward_s(runner, 1) for runner in engine.runners.values())
-    together = sum(forward_s(runner, callers) for runner in engine.runners.values())
-    return alone, together
+    rows: the fastest of ``rounds * run`` samples, since a busy machine only ever adds time (medians of 15 in a row
+    ranged over 1.5x between calls on this machine, the fastest over 1.08x). The two sizes are timed in turn,
+    ``run`` forwards of one then of the other, so that a stretch of noise lands on both; a run of a few keeps the
+    steady state of the repeated passes one caller sees (the first forward after the other size's is slower)."""
+    sides = {rows: [DecodeForward(runner, rows) for runner in engine.runners.values()] for rows in (1, callers)}
+    samples: dict[int, list[float]] = {rows: [] for rows in sides}
+    try:
+        for _ in range(rounds):
+            for rows, forwards in sides.items():
+                samples[rows].extend(sum(forward() for forward in forwards) for _ in range(run))
+    finally:
+        for forwards in sides.values():
+            for forward in forwards:
+                forward.close()
+    return min(samples[1]), min(samples[callers])
 
 
 def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[str, Any]:
