@@ -58,3 +58,27 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
                 keep &= z != value
         w = torch.where(keep, w, 0.0)
     return (w / w.sum()).float()
+
+
+def rounding_edge(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, rel: float = 1e-5
+) -> torch.Tensor:
+    """The tokens of one row ``[V]`` whose place in :func:`reference_probs`' nucleus is decided by rounding: those
+    whose strictly more likely (kept) tokens' mass lies within ``rel`` of the kept mass from the nucleus's threshold.
+    A filter that sums the same float32 weights in another order, or computes them with another ``exp`` a unit in
+    the last place apart (the native nucleus: eight-lane float32 sums, its own ``exp``), may decide those the other
+    way; every other token it must decide as the reference does."""
+    z = (logits.float() - logits.float().max()) / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < len(z):
+        keep = z >= sorted(z.tolist(), reverse=True)[top_k - 1]
+    edge = torch.zeros_like(keep)
+    if top_p >= 1.0:
+        return edge
+    w = torch.where(keep, torch.exp(z), 0.0).double()
+    total = float(w.sum())
+    threshold = float(torch.tensor(top_p, dtype=torch.float32)) * total * (1.0 - NUCLEUS_RTOL)
+    for value in set(z[keep].tolist()):
+        if abs(float(w[z > value].sum()) - threshold) <= rel * total:
+            edge |= keep & (z == value)
+    return edge

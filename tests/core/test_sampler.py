@@ -22,7 +22,7 @@ from ead_llm.core.sampler import (
     stream_key,
     uniforms,
 )
-from tests.reference import reference_probs
+from tests.reference import reference_probs, rounding_edge
 
 
 def draw_many(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, n: int) -> torch.Tensor:
@@ -189,13 +189,16 @@ FILTER_ROWS = {
 @example(seed=2, vocab=3000, spread=0.05, step=0.0, top_k=0, top_p=0.95)  # ~2,800: the whole row
 @example(seed=3, vocab=3000, spread=1.0, step=0.25, top_k=0, top_p=0.6)  # ties at the edge, deep
 @example(seed=4, vocab=80, spread=6.0, step=0.25, top_k=5, top_p=0.999)  # top-k cut in a tie, then top-p
+@example(seed=500, vocab=3000, spread=6.0, step=0.0, top_k=0, top_p=0.999)  # an edge 6e-8 from the threshold
 @given(**FILTER_ROWS)
 def test_the_floor_keeps_what_the_plain_rule_keeps(
     seed: int, vocab: int, spread: float, step: float, top_k: int, top_p: float
 ) -> None:
     """Flat rows (nuclei past the 64 candidates, of ~600 to ~2,800 tokens), rounded rows (ties everywhere), masked
-    tokens: the fast floor keeps exactly the plain reference's tokens, and a row alone gets the floor it gets in a
-    batch."""
+    tokens: the fast floor keeps exactly the plain reference's tokens, but for a token whose mass before it lies
+    within rounding (1e-5 of the row's mass) of the threshold, which the native nucleus's float32 sums and its own
+    ``exp`` may decide the other way (found by this test: seed 500, 6e-8 from it); and a row alone gets the floor
+    it gets in a batch."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(3, vocab, generator=gen) * spread
     if step:
@@ -205,7 +208,8 @@ def test_the_floor_keeps_what_the_plain_rule_keeps(
     kept = filter_logits(logits, temperature, k, p, max_top_k=top_k, any_top_p=top_p < 1) > -math.inf
     for b in range(3):
         expected = reference_probs(logits[b], 0.9, top_k, top_p) > 0
-        assert torch.equal(kept[b], expected), (b, int(kept[b].sum()), int(expected.sum()))
+        differ = (kept[b] != expected) & ~rounding_edge(logits[b], 0.9, top_k, top_p)
+        assert not differ.any(), (b, int(kept[b].sum()), int(expected.sum()))
         alone = filter_logits(logits[b : b + 1], temperature[:1], k[:1], p[:1], max_top_k=top_k, any_top_p=top_p < 1)
         assert torch.equal(alone[0] > -math.inf, kept[b])
 
