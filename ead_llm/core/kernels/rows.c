@@ -287,9 +287,9 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
  * stream of the weight, and the hardware keeps more of the memory busy for several streams: the one-row path above
  * reads 22 GB/s from four panels, a panel of 2 to 4 rows read 15-19. The accumulators wait in memory between tiles,
  * and each output is still the one chain over k in order, stored as a panel alone stores it: the same bits. On an
- * AMD Zen 3, SmolLM2's float32 products at 2 to 4 rows went from 28-29 to 24-25 ms (min of 10, both libraries in one
- * process). Five or six rows, bfloat16 weights, longer tiles, 2, 3, 6 or 8 panels and a prefetch per stream gained
- * nothing or lost, so they are not taken. */
+ * AMD Zen 3, SmolLM2's float32 products at 2 / 3 / 4 rows went from 31.2 / 29.8 / 29.8 to 27.7 / 24.4 / 25.1 ms
+ * (min of 16, both libraries in one process, alternated). Five or six rows, bfloat16 weights, longer tiles, 2, 3,
+ * 6 or 8 panels and a prefetch per stream gained nothing or lost, so they are not taken. */
 #define GANG 4
 #define TILE 8 /* inputs of a panel per turn: 512 bytes of float32 weights */
 #define TILE_LOAD(r) __m256 a##r##0 = acc[g][2 * (r)], a##r##1 = acc[g][2 * (r) + 1];
