@@ -369,7 +369,7 @@ struct block {
             for (; p + QUAD <= last && (p + QUAD) * NR <= n; p += QUAD)                                               \
                 quad##NAME(x, packed + p * k * NR, k, out + p * NR, bias ? bias + p * NR : 0,                         \
                            residual ? residual + p * NR : 0);                                                         \
-        else if (m <= TILE_ROWS) /* whole panels GANG at a time */                                                    \
+        else if (m >= 2 && m <= TILE_ROWS) /* whole panels GANG at a time */                                        \
             for (; p + GANG <= last && (p + GANG) * NR <= n; p += GANG)                                               \
                 TILING##NAME[m](x, k, packed + p * k * NR, k, out + p * NR, n, bias ? bias + p * NR : 0,              \
                                 residual ? residual + p * NR : 0);                                                    \
