@@ -36,6 +36,21 @@ def reference_greedy(
     return out, roles, entropies
 
 
+def _top_p_terms(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """One row's scaled values ``z``, what top-k keeps, the kept float32 weights as float64 and the nucleus's
+    threshold on the mass (``top_p`` as the sampler holds it, in float32, less :data:`NUCLEUS_RTOL`)."""
+    z = (logits.float() - logits.float().max()) / temperature
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < len(z):
+        kth = sorted(z.tolist(), reverse=True)[top_k - 1]
+        keep = z >= kth
+    w = torch.where(keep, torch.exp(z), 0.0).double()
+    threshold = float(torch.tensor(top_p, dtype=torch.float32)) * float(w.sum()) * (1.0 - NUCLEUS_RTOL)
+    return z, keep, w, threshold
+
+
 def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """The distribution one row ``[V]`` must be drawn from, written out plainly (one step per distinct value): the
     row's float32 weights after temperature (``exp`` of the maximum-shifted logits over ``temperature``, as the
@@ -43,15 +58,8 @@ def reference_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     keeps every token whose strictly more likely (kept) tokens hold less than ``top_p`` (float32, as the sampler holds
     it) of the kept mass, mass within :data:`~ead_llm.core.ops.NUCLEUS_RTOL` of it counting as reaching it (the
     sampler's documented edge: with float32 weights an edge on a token would be decided by rounding)."""
-    z = (logits.float() - logits.float().max()) / temperature
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if 0 < top_k < len(z):
-        kth = sorted(z.tolist(), reverse=True)[top_k - 1]
-        keep = z >= kth
-    w = torch.where(keep, torch.exp(z), 0.0).double()
+    z, keep, w, threshold = _top_p_terms(logits, temperature, top_k, top_p)
     if top_p < 1.0:
-        total = float(w.sum())
-        threshold = float(torch.tensor(top_p, dtype=torch.float32)) * total * (1.0 - NUCLEUS_RTOL)  # top_p as held
         for value in set(z[keep].tolist()):
             strictly_more_likely = float(w[z > value].sum())
             if strictly_more_likely >= threshold:
@@ -68,17 +76,11 @@ def rounding_edge(
     A filter that sums the same float32 weights in another order, or computes them with another ``exp`` a unit in
     the last place apart (the native nucleus: eight-lane float32 sums, its own ``exp``), may decide those the other
     way; every other token it must decide as the reference does."""
-    z = (logits.float() - logits.float().max()) / temperature
-    keep = torch.ones_like(z, dtype=torch.bool)
-    if 0 < top_k < len(z):
-        keep = z >= sorted(z.tolist(), reverse=True)[top_k - 1]
+    z, keep, w, threshold = _top_p_terms(logits, temperature, top_k, top_p)
     edge = torch.zeros_like(keep)
-    if top_p >= 1.0:
-        return edge
-    w = torch.where(keep, torch.exp(z), 0.0).double()
-    total = float(w.sum())
-    threshold = float(torch.tensor(top_p, dtype=torch.float32)) * total * (1.0 - NUCLEUS_RTOL)
-    for value in set(z[keep].tolist()):
-        if abs(float(w[z > value].sum()) - threshold) <= rel * total:
-            edge |= keep & (z == value)
+    if top_p < 1.0:
+        total = float(w.sum())
+        for value in set(z[keep].tolist()):
+            if abs(float(w[z > value].sum()) - threshold) <= rel * total:
+                edge |= keep & (z == value)
     return edge
