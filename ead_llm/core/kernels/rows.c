@@ -275,22 +275,22 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
 #define QUAD_STORE(j)                                                                                                 \
     store(out + (j) * NR, q##j##0, q##j##1, NR, bias ? bias + (j) * NR : 0, residual ? residual + (j) * NR : 0);
 #define ONE_ROW(SUFFIX, W, LD)                                                                                        \
-    static void quad##SUFFIX(const float *x, const W *w, int64_t k, float *out, const float *bias,                    \
-                             const float *residual) {                                                                 \
+    static void quad##SUFFIX(const float *x, int64_t ldx, const W *w, int64_t k, float *out, int64_t ldo,             \
+                             const float *bias, const float *residual) {                                              \
+        (void)ldx, (void)ldo; /* one row: no row strides (the signature is the tiled kernels') */                    \
         QUAD_ACC(0) QUAD_ACC(1) QUAD_ACC(2) QUAD_ACC(3) for (int64_t i = 0; i < k; i++) {                             \
             const __m256 v = _mm256_broadcast_ss(x + i);                                                              \
             QUAD_FMA(0, LD) QUAD_FMA(1, LD) QUAD_FMA(2, LD) QUAD_FMA(3, LD)                                           \
         }                                                                                                             \
         QUAD_STORE(0) QUAD_STORE(1) QUAD_STORE(2) QUAD_STORE(3)                                                       \
     }
-/* A few rows (2 to TILE_ROWS) over GANG whole panels at once, TILE inputs of each in turn. A panel alone is one
+/* A few rows (2 to TILE_ROWS) over QUAD whole panels at once, TILE inputs of each in turn. A panel alone is one
  * stream of the weight, and the hardware keeps more of the memory busy for several streams: the one-row path above
  * reads 22 GB/s from four panels, a panel of 2 to 4 rows read 15-19. The accumulators wait in memory between tiles,
  * and each output is still the one chain over k in order, stored as a panel alone stores it: the same bits. On an
  * AMD Zen 3, SmolLM2's float32 products at 2 / 3 / 4 rows went from 31.2 / 29.8 / 29.8 to 27.7 / 24.4 / 25.1 ms
  * (min of 16, both libraries in one process, alternated). Five or six rows, bfloat16 weights, longer tiles, 2, 3,
  * 6 or 8 panels and a prefetch per stream gained nothing or lost, so they are not taken. */
-#define GANG 4
 #define TILE 8 /* inputs of a panel per turn: 512 bytes of float32 weights */
 #define TILE_LOAD(r) __m256 a##r##0 = acc[g][2 * (r)], a##r##1 = acc[g][2 * (r) + 1];
 #define TILE_SAVE(r)                                                                                                  \
@@ -302,12 +302,12 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
 #define TILED(R, SUFFIX, W, LD)                                                                                       \
     static void tiled##R##SUFFIX(const float *x, int64_t ldx, const W *first, int64_t k, float *out, int64_t ldo,     \
                                  const float *bias, const float *residual) {                                          \
-        __m256 acc[GANG][2 * R];                                                                                      \
-        for (int64_t g = 0; g < GANG; g++)                                                                            \
+        __m256 acc[QUAD][2 * R];                                                                                      \
+        for (int64_t g = 0; g < QUAD; g++)                                                                            \
             for (int64_t j = 0; j < 2 * R; j++) acc[g][j] = _mm256_setzero_ps();                                      \
         for (int64_t t = 0; t < k; t += TILE) {                                                                       \
             const int64_t end = t + TILE < k ? t + TILE : k;                                                          \
-            for (int64_t g = 0; g < GANG; g++) {                                                                      \
+            for (int64_t g = 0; g < QUAD; g++) {                                                                      \
                 const W *w = first + g * k * NR;                                                                      \
                 REP##R(TILE_LOAD) for (int64_t i = t; i < end; i++) {                                                 \
                     LOAD(LD) REP##R(FMA)                                                                              \
@@ -315,7 +315,7 @@ static void rotate_row(float *row, int64_t heads, int64_t dim, const float *cos,
                 REP##R(TILE_SAVE)                                                                                     \
             }                                                                                                         \
         }                                                                                                             \
-        for (int64_t g = 0; g < GANG; g++) {                                                                          \
+        for (int64_t g = 0; g < QUAD; g++) {                                                                          \
             REP##R(TILE_STORE)                                                                                        \
         }                                                                                                             \
     }
@@ -328,14 +328,14 @@ struct block {
     const float *bias, *residual;
     float *out;
 };
-/* the micro-kernels for one weight type, and the linear that runs them (calls of 2 to TILE_ROWS rows over GANG
- * panels at once; 1: never, and the compiler drops the tiled kernels) */
+/* the micro-kernels for one weight type, and the linear that runs them (calls of 1 to TILE_ROWS rows run QUAD
+ * panels at once: one row on ONE_ROW's kernel, more on TILED's; with TILE_ROWS 1 the compiler drops the tiled ones) */
 #define KERNELS(NAME, W, LD, TILE_ROWS)                                                                               \
     ONE_ROW(NAME, W, LD)                                                                                              \
     TILED(2, NAME, W, LD) TILED(3, NAME, W, LD) TILED(4, NAME, W, LD)                                                 \
-    typedef void (*tiled##NAME##_kernel)(const float *, int64_t, const W *, int64_t, float *, int64_t, const float *, \
-                                         const float *);                                                              \
-    static const tiled##NAME##_kernel TILING##NAME[5] = {0, 0, tiled2##NAME, tiled3##NAME, tiled4##NAME};             \
+    typedef void (*quad##NAME##_kernel)(const float *, int64_t, const W *, int64_t, float *, int64_t, const float *,   \
+                                        const float *);                                                               \
+    static const quad##NAME##_kernel QUADS##NAME[5] = {0, quad##NAME, tiled2##NAME, tiled3##NAME, tiled4##NAME};      \
     MICRO(1, NAME, NOTHING, W, LD)                                                                                    \
     MICRO(2, NAME##_ahead, PREFETCH, W, LD) MICRO(3, NAME##_ahead, PREFETCH, W, LD)                                   \
     MICRO(4, NAME##_ahead, PREFETCH, W, LD) MICRO(5, NAME##_ahead, PREFETCH, W, LD)                                   \
@@ -365,14 +365,10 @@ struct block {
         int64_t least = (m + MR - 1) / MR, step = (m + least - 1) / least;                                            \
         int64_t groups = (m + step - 1) / step, share = (k + groups - 1) / groups;                                    \
         int64_t p = first;                                                                                            \
-        if (m == 1) /* whole panels QUAD at a time (the last, maybe partial, ones below) */                           \
+        if (m >= 1 && m <= TILE_ROWS) /* whole panels QUAD at a time (the last, maybe partial, ones below) */        \
             for (; p + QUAD <= last && (p + QUAD) * NR <= n; p += QUAD)                                               \
-                quad##NAME(x, packed + p * k * NR, k, out + p * NR, bias ? bias + p * NR : 0,                         \
-                           residual ? residual + p * NR : 0);                                                         \
-        else if (m >= 2 && m <= TILE_ROWS) /* whole panels GANG at a time */                                        \
-            for (; p + GANG <= last && (p + GANG) * NR <= n; p += GANG)                                               \
-                TILING##NAME[m](x, k, packed + p * k * NR, k, out + p * NR, n, bias ? bias + p * NR : 0,              \
-                                residual ? residual + p * NR : 0);                                                    \
+                QUADS##NAME[m](x, k, packed + p * k * NR, k, out + p * NR, n, bias ? bias + p * NR : 0,               \
+                               residual ? residual + p * NR : 0);                                                     \
         for (; p < last; p++) {                                                                                       \
             const W *w = packed + p * k * NR;                                                                         \
             int64_t cols = n - p * NR < NR ? n - p * NR : NR;                                                         \
