@@ -765,6 +765,9 @@ class FusedLlama:
         them (:mod:`ead_llm.core.fused_draft`)."""
         choose_kernel(self.projections, passes=self.timed_pass)
         tune_widths(self.projections)
+        self._table: tuple[Any, tuple[torch.Tensor | None, ...]] | None = None
+        """The layers as :func:`ead_llm.core.kernels.layers` reads them, and the packed weights it was built from
+        (:meth:`_native_table`)."""
 
     def timed_pass(self, tokens: int) -> torch.Tensor:
         """A pass of ``tokens`` new tokens without attention (:class:`NoAttention`), as :func:`choose_kernel` times
@@ -778,8 +781,12 @@ class FusedLlama:
         """``ids``, ``positions``: [T]; ``keep``: [N] packed indices read -> logits [N, V] (model dtype)."""
         hidden = F.embedding(ids, self.embedding)[None]  # [1, T, hidden]
         cos, sin = self.rotary(hidden, positions, batch.length)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, batch)
+        table = self._native_table(hidden, batch)
+        if table is not None:
+            self._native_layers(table, hidden[0], cos[0, 0].contiguous(), sin[0, 0].contiguous(), batch)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden, cos, sin, batch)
         if self.keep_features:
             hidden = rms_norm(hidden, *self.norm)
             batch.cache.write_features(batch.write_slots, hidden[0])
@@ -789,3 +796,65 @@ class FusedLlama:
         else:
             hidden = rms_norm(hidden[:, keep], *self.norm)
         return self.head(hidden)[0]
+
+    def _native_table(self, hidden: torch.Tensor, batch: PackedBatch) -> Any:
+        """The layers' table for one call of :func:`ead_llm.core.kernels.layers`, where the pass can run so: every
+        query a decode step over the cache (:class:`~ead_llm.core.model_runner.NativeQueries` for all of them),
+        every layer fused on ead-llm's float32 kernel, one shape of heads and one scale. Built once, again after a
+        projection's kernel changed; None otherwise (the layers run one call at a time)."""
+        native = getattr(batch, "native", None)
+        if native is None or native.index is not None or hidden.dtype != torch.float32 or torch.is_grad_enabled():
+            return None
+        packed = tuple(p.packed for p in self.projections[1:])
+        if self._table is None or any(a is not b for a, b in zip(self._table[1], packed, strict=True)):
+            self._table = (self._build_table(), packed)
+        return self._table[0]
+
+    def _build_table(self) -> Any:
+        first = self.layers[0]
+        shape = (first.heads, first.kv_heads, first.head_dim, first.scaling)
+        if not all(
+            layer.fuses
+            and (layer.heads, layer.kv_heads, layer.head_dim, layer.scaling) == shape
+            and all(p.kernel == "native" and p.packed is not None for p in layer.projections)
+            and all(t.is_contiguous() for t in (layer.input_norm[0], layer.post_norm[0]))
+            and all(p.bias is None or p.bias.is_contiguous() for p in layer.projections)
+            for layer in self.layers
+        ):
+            return None
+
+        def at(tensor: torch.Tensor | None) -> int | None:
+            return None if tensor is None else tensor.data_ptr()
+
+        return (kernels.Layer * len(self.layers))(
+            *(
+                kernels.Layer(
+                    at(layer.input_norm[0]),
+                    at(layer.post_norm[0]),
+                    layer.input_norm[1],
+                    layer.post_norm[1],
+                    *(at(t) for p in layer.projections for t in (p.packed, p.bias)),
+                    layer.down.weight.shape[1],
+                )
+                for layer in self.layers
+            )
+        )
+
+    def _native_layers(
+        self, table: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: PackedBatch
+    ) -> None:
+        """Every layer over ``hidden`` ``[T, hidden]`` (in place) in one kernel call; see :meth:`_native_table`."""
+        first = self.layers[0]
+        native = batch.native
+        assert native is not None
+        like = hidden.new_empty((0, first.kv_heads, first.head_dim))
+        storage = [batch.cache.storage(layer.index, like) for layer in self.layers]
+        kernels.layers(
+            table,
+            hidden,
+            (first.heads, first.kv_heads, first.head_dim),
+            (cos, sin),
+            storage,
+            batch.write_slots,
+            (native.tables, native.meta, batch.cache.block_size, first.scaling),
+        )

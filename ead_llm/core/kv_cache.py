@@ -463,14 +463,22 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor | slice, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``keys``/``values`` ``[T, H, D]`` of one layer at flat ``slots`` ``[T]`` (or a range of them)."""
+        stored_keys, stored_values = self.storage(layer, keys)
+        stored_keys[:, slots] = keys.transpose(0, 1)
+        stored_values[:, slots] = values.transpose(0, 1)
+
+    def storage(self, layer: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values ``[H, capacity, D]``, grown to hold every block of the pool first (new storage
+        shaped like keys ``like`` ``[T, H, D]``), for a kernel that writes them itself."""
         capacity = self.pool.num_blocks * self.block_size
         stored = self.keys[layer]
         if stored is None or stored.shape[1] < capacity:
-            self.keys[layer] = _fit(stored, capacity, keys)
-            self.values[layer] = _fit(self.values[layer], capacity, values)
+            self.keys[layer] = _fit(stored, capacity, like)
+            self.values[layer] = _fit(self.values[layer], capacity, like)
             self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
-        self.keys[layer][:, slots] = keys.transpose(0, 1)  # type: ignore[index]
-        self.values[layer][:, slots] = values.transpose(0, 1)  # type: ignore[index]
+        keys, values = self.keys[layer], self.values[layer]
+        assert keys is not None and values is not None
+        return keys, values
 
     def write_features(self, slots: torch.Tensor, features: torch.Tensor) -> None:
         """Store final hidden states ``[T, hidden]`` at flat ``slots`` ``[T]``."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 
 from ead_llm.core import kernels, model_runner
 from ead_llm.core.kv_cache import KVCache, SequenceKV
-from ead_llm.core.loading import ModelPair
+from ead_llm.core.loading import LoadedModel, ModelInfo, ModelPair
 from ead_llm.core.model_runner import ModelRunner, PackedBatch, PassRow, PromptAttention, RowAttention
 from ead_llm.core.types import Role
 
@@ -377,3 +378,113 @@ def test_the_row_probe_finds_a_kernel_that_differs_only_over_long_keys(monkeypat
         monkeypatch.setattr(model_runner, "_ROWS_ALIKE", {})
         monkeypatch.setattr(model_runner, "_CPU_ATTENTION", kernel(shift))
         assert model_runner.rows_alike(2) is alike
+
+
+def _biased_llama(seed: int) -> LoadedModel:
+    """A Llama of grouped heads with biases on every projection (as Qwen2's q, k and v have), in the shapes a
+    runner takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).eval()
+        for parameter in model.parameters():  # biases and norms away from their zeros and ones
+            parameter.data.add_(0.05 * torch.randn_like(parameter))
+    info = ModelInfo("biased-llama", 0, 0, config.num_hidden_layers, config.hidden_size, None)
+    return LoadedModel(Role.LARGE, model, info)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("model", ["tiny-pair", "biased-grouped"])
+def test_decode_passes_run_every_layer_in_one_kernel_call_with_the_bits_of_one_call_per_operation(
+    llama_pair: ModelPair, model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass whose every query is a decode step over the cache (decodes, catch-ups of a few tokens, several rows)
+    runs all of its model's layers in one call of the kernel (:func:`ead_llm.core.kernels.layers`), and gives the
+    logits, and writes the keys, that the layers one operation at a time give, to the bit; a pass with a prompt in it
+    runs the layers one by one. Where the kernel's weights change (a projection put on another kernel and back), the
+    call's table is built again."""
+    if not kernels.available():
+        pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
+    loaded = llama_pair.model(Role.LARGE) if model == "tiny-pair" else _biased_llama(0)
+    vocab = llama_pair.vocab_size if model == "tiny-pair" else 96
+    runners = [ModelRunner(loaded, torch.device("cpu"), vocab, KVCache(len(loaded.model.model.layers))) for _ in "ab"]
+    whole, by_operation = runners
+    assert whole._fused is not None and by_operation._fused is not None and whole.native_attention
+    for runner in runners:  # whichever kernel timing chose here for these shapes: ours
+        assert all(p.use("native") for p in runner._fused.projections)
+    monkeypatch.setattr(by_operation._fused, "_native_table", lambda hidden, batch: None)
+    calls: list[int] = []
+    real = kernels.layers
+
+    def counted(table: Any, hidden: torch.Tensor, *args: Any) -> None:
+        calls.append(hidden.shape[0])
+        real(table, hidden, *args)
+
+    monkeypatch.setattr(kernels, "layers", counted)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(4, vocab, (n,), generator=gen).tolist() for n in (40, 36, 29)]
+    kvs = {runner: [SequenceKV() for _ in seqs] for runner in runners}
+    fed, tables = [], []
+    for step in range(12):
+        if step == 6:  # the weights move: off the kernel and back (new packed copies, the same values)
+            for p in whole._fused.projections:
+                assert p.use(None) and p.use("native")
+        outs = []
+        for runner in runners:
+            rows = []
+            for i, (kv, tokens) in enumerate(zip(kvs[runner], seqs, strict=True)):
+                target = (5, 9, 3)[i] if step == 0 else kv.length + 1 + (step + i) % 3  # 1 to 3 tokens a row
+                runner.cache.reserve(kv, target)
+                rows.append(PassRow(kv, tokens[:target], read=target - kv.length))
+            outs.append(runner.execute(rows))
+        fed.append(sum(row.read for row in rows))
+        tables.append(whole._fused._table)
+        assert torch.equal(outs[0].logits, outs[1].logits), (step, (outs[0].logits - outs[1].logits).abs().max())
+    assert calls == fed[1:]  # every pass after the prompts', in one call; the prompts' one operation at a time
+    assert tables[5][0] is tables[1][0] and tables[6][0] is not tables[5][0]  # built once, again once moved
+    for layer in range(len(loaded.model.model.layers)):
+        for stored in ("keys", "values"):
+            mine, theirs = (getattr(runner.cache, stored)[layer] for runner in runners)
+            assert torch.equal(mine, theirs)
+    for i, (kv, tokens) in enumerate(zip(kvs[whole], seqs, strict=True)):  # and they are the model's own logits
+        want = loaded.model(input_ids=torch.tensor([tokens[: kv.length]])).logits[0, -1, :vocab]
+        assert torch.allclose(outs[0].rows(i)[-1], want, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_the_one_call_layers_refuse_a_slot_outside_the_cache_and_write_nothing() -> None:
+    """A write slot past the storage (a cache cleared under a pass) is refused before any layer runs: the storage
+    and the hidden states are as they were."""
+    if not kernels.available():
+        pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
+    loaded = _biased_llama(1)
+    runner = ModelRunner(loaded, torch.device("cpu"), 96, KVCache(3))
+    assert runner._fused is not None and all(p.use("native") for p in runner._fused.projections)
+    kv = SequenceKV()
+    runner.cache.reserve(kv, 6)
+    runner.execute([PassRow(kv, list(range(4, 9)))])  # a prompt: the storage exists
+    first = runner._fused.layers[0]
+    table = runner._fused._build_table()
+    storage = [runner.cache.storage(layer, torch.empty(0, first.kv_heads, first.head_dim)) for layer in range(3)]
+    before = [t.clone() for pair in storage for t in pair]
+    capacity = storage[0][0].shape[1]
+    hidden = torch.randn(1, 48)
+    kept = hidden.clone()
+    turn = (torch.ones(1, first.head_dim), torch.zeros(1, first.head_dim))
+    where = (torch.tensor([kv.blocks[0]]), torch.tensor([[0, 6, -1]]), runner.cache.block_size, first.scaling)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.layers(table, hidden, (6, 2, 8), turn, storage, torch.tensor([capacity]), where)
+    assert torch.equal(hidden, kept)
+    assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in storage for t in pair], strict=True))

@@ -96,6 +96,10 @@ def _load() -> ctypes.CDLL | None:
     library.ead_attend.argtypes = [pointer, int64, int64, int64, int64, int64, int64, pointer, pointer, int64, int64]
     library.ead_attend.argtypes += [pointer, int64, pointer, ctypes.c_float, pointer]
     library.ead_attend.restype = int64
+    library.ead_layers.argtypes = [ctypes.POINTER(Layer), int64, pointer, int64, int64, int64, int64, int64]
+    library.ead_layers.argtypes += [pointer, pointer, pointer, int64, int64, pointer, int64, pointer, ctypes.c_float]
+    library.ead_layers.argtypes += [int64]
+    library.ead_layers.restype = int64
     library.ead_row_stats.argtypes = [pointer, int64, int64, int64, pointer, pointer]
     library.ead_row_stats.restype = None
     library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer]
@@ -278,6 +282,80 @@ def attend(
     if status:
         raise MemoryError(f"the attention kernel could not allocate its scratch for {tokens} queries")
     return out
+
+
+class Layer(ctypes.Structure):
+    """One decoder layer as :func:`layers` reads it (``struct ead_layer`` in ``rows.c``): addresses of its norms'
+    weights, its projections packed by :func:`pack` (float32) and their biases (or None), its MLP's width, and its
+    cache storage, which :func:`layers` fills in at each call."""
+
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("input_eps", ctypes.c_float),
+        ("post_eps", ctypes.c_float),
+        ("qkv", ctypes.c_void_p),
+        ("qkv_bias", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("o_bias", ctypes.c_void_p),
+        ("gate_up", ctypes.c_void_p),
+        ("gate_up_bias", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("intermediate", ctypes.c_int64),
+        ("keys", ctypes.c_void_p),
+        ("values", ctypes.c_void_p),
+    ]
+
+
+def layers(
+    table: ctypes.Array[Layer],
+    hidden: torch.Tensor,
+    shape: tuple[int, int, int],
+    turn: tuple[torch.Tensor, torch.Tensor],
+    storage: list[tuple[torch.Tensor, torch.Tensor]],
+    slots: torch.Tensor,
+    attend: tuple[torch.Tensor, torch.Tensor, int, float],
+) -> None:
+    """A model's decoder layers ``table`` over ``hidden`` ``[T, hidden]`` (contiguous float32, replaced by the last
+    layer's output) in one call, for tokens that each attend as a decode step (:func:`attend`'s ``tables``, ``meta``,
+    ``block`` and ``scale``): each layer's :func:`fused` projections, its new keys and values written at ``slots``
+    ``[T]`` (flat slots of ``storage``, each layer's ``[Hkv, capacity, D]`` keys and values) and :func:`attend`, as
+    the calls one by one would run them: the same bits. ``shape``: heads, key heads, head width; ``turn``: cos and
+    signed sin ``[T, D]``."""
+    library = _LIBRARY[0] if _LIBRARY else _library()
+    assert library is not None, "the kernel is not available here"
+    heads, kv_heads, dim = shape
+    cos, sin = turn
+    tables, meta, block, scale = attend
+    capacity = storage[0][0].shape[1]
+    for layer, (keys, values) in zip(table, storage, strict=True):
+        layer.keys, layer.values = keys.data_ptr(), values.data_ptr()
+    tokens, width = hidden.shape
+    status = library.ead_layers(
+        table,
+        len(table),
+        hidden.data_ptr(),
+        tokens,
+        width,
+        heads,
+        kv_heads,
+        dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        capacity,
+        block,
+        tables.data_ptr(),
+        tables.numel(),
+        meta.data_ptr(),
+        scale,
+        torch.get_num_threads(),
+    )
+    if status == -2:
+        raise RuntimeError(f"a write slot or a query's block table lies outside the cache's {capacity} slots")
+    if status:
+        raise MemoryError(f"the kernel could not allocate its scratch for {tokens} tokens")
 
 
 def _rows_call(rows: torch.Tensor, name: str) -> tuple[ctypes.CDLL, torch.Tensor]:
