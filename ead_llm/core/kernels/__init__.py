@@ -96,9 +96,8 @@ def _load() -> ctypes.CDLL | None:
     library.ead_attend.argtypes = [pointer, int64, int64, int64, int64, int64, int64, pointer, pointer, int64, int64]
     library.ead_attend.argtypes += [pointer, int64, pointer, ctypes.c_float, pointer]
     library.ead_attend.restype = int64
-    library.ead_layers.argtypes = [ctypes.POINTER(Layer), int64, pointer, int64, int64, int64, int64, int64]
-    library.ead_layers.argtypes += [pointer, pointer, pointer, int64, int64, pointer, int64, pointer, ctypes.c_float]
-    library.ead_layers.argtypes += [int64]
+    library.ead_layers.argtypes = [ctypes.POINTER(Layer), int64, pointer, pointer, pointer, *[int64] * 5, pointer]
+    library.ead_layers.argtypes += [pointer, pointer, int64, int64, pointer, int64, pointer, ctypes.c_float, int64]
     library.ead_layers.restype = int64
     library.ead_row_stats.argtypes = [pointer, int64, int64, int64, pointer, pointer]
     library.ead_row_stats.restype = None
@@ -286,8 +285,7 @@ def attend(
 
 class Layer(ctypes.Structure):
     """One decoder layer as :func:`layers` reads it (``struct ead_layer`` in ``rows.c``): addresses of its norms'
-    weights, its projections packed by :func:`pack` (float32) and their biases (or None), its MLP's width, and its
-    cache storage, which :func:`layers` fills in at each call."""
+    weights, its projections packed by :func:`pack` (float32) and their biases (or None), and its MLP's width."""
 
     _fields_ = [
         ("input_norm", ctypes.c_void_p),
@@ -303,8 +301,6 @@ class Layer(ctypes.Structure):
         ("down", ctypes.c_void_p),
         ("down_bias", ctypes.c_void_p),
         ("intermediate", ctypes.c_int64),
-        ("keys", ctypes.c_void_p),
-        ("values", ctypes.c_void_p),
     ]
 
 
@@ -328,13 +324,17 @@ def layers(
     heads, kv_heads, dim = shape
     cos, sin = turn
     tables, meta, block, scale = attend
+    if len(storage) != len(table):
+        raise ValueError(f"{len(table)} layers need {len(table)} layers' storage, got {len(storage)}")
     capacity = storage[0][0].shape[1]
-    for layer, (keys, values) in zip(table, storage, strict=True):
-        layer.keys, layer.values = keys.data_ptr(), values.data_ptr()
+    keys = (ctypes.c_void_p * len(storage))(*(k.data_ptr() for k, _ in storage))
+    values = (ctypes.c_void_p * len(storage))(*(v.data_ptr() for _, v in storage))
     tokens, width = hidden.shape
     status = library.ead_layers(
         table,
         len(table),
+        keys,
+        values,
         hidden.data_ptr(),
         tokens,
         width,

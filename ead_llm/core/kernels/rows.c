@@ -531,26 +531,24 @@ int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t toke
 /* ---- a model's decoder layers in one call ---------------------------------------------------------------------- */
 
 /* One Llama decoder layer as ead_layers reads it: its norms, its four projections packed by ead_rows_pack (qkv: q, k
- * and v side by side; gate_up: gate and up side by side), their biases or NULL, its MLP's width, and the layer's
- * cache storage [kv_heads][capacity][dim] of keys and of values. */
+ * and v side by side; gate_up: gate and up side by side), their biases or NULL, and its MLP's width. */
 struct ead_layer {
     const float *input_norm, *post_norm;
     float input_eps, post_eps;
     const float *qkv, *qkv_bias, *o, *o_bias, *gate_up, *gate_up_bias, *down, *down_bias;
     int64_t intermediate;
-    float *keys, *values;
 };
 
 /* `count` decoder layers over x [m][hidden] (replaced by the last layer's output) for m tokens that each attend as a
- * decode step at their own position (ead_attend's tables and meta), their keys and values written at `slots` [m] of
- * every layer's storage first: each layer is the calls the engine otherwise makes one by one (the projections through
+ * decode step at their own position (ead_attend's tables and meta), their keys and values written first at `slots`
+ * [m] of each layer's cache storage (keys[l], values[l]: [kv_heads][capacity][dim]): each layer is the calls the engine otherwise makes one by one (the projections through
  * ead_rows_fused, the attention through ead_attend, in the same order on the same values), so every token gets the
  * same bits either way, without a return to Python between them. cos, sin: [m][dim] (sin with its first half
  * negated), turning q's and k's heads. Returns 0; -1 when a scratch could not be allocated; -2, writing nothing, when
  * a slot lies outside the storage or a query's table is bad (see ead_attend; then the keys of that layer are
  * written already, as they would be one call at a time). */
-int64_t ead_layers(const struct ead_layer *layers, int64_t count, float *x, int64_t m, int64_t hidden, int64_t heads,
-                   int64_t kv_heads, int64_t dim, const float *cos, const float *sin, const int64_t *slots,
+int64_t ead_layers(const struct ead_layer *layers, int64_t count, float *const *keys, float *const *values, float *x,
+                   int64_t m, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, const float *cos, const float *sin, const int64_t *slots,
                    int64_t capacity, int64_t block, const int64_t *tables, int64_t table_count, const int64_t *meta,
                    float scale, int64_t threads) {
     const int64_t width = (heads + 2 * kv_heads) * dim, turned = heads + kv_heads, attended = heads * dim;
@@ -574,10 +572,10 @@ int64_t ead_layers(const struct ead_layer *layers, int64_t count, float *x, int6
         for (int64_t t = 0; t < m; t++)
             for (int64_t h = 0; h < kv_heads; h++) {
                 const float *row = qkv + t * width + (heads + h) * dim;
-                memcpy(L->keys + (h * capacity + slots[t]) * dim, row, (size_t)dim * sizeof(float));
-                memcpy(L->values + (h * capacity + slots[t]) * dim, row + kv_heads * dim, (size_t)dim * sizeof(float));
+                memcpy(keys[l] + (h * capacity + slots[t]) * dim, row, (size_t)dim * sizeof(float));
+                memcpy(values[l] + (h * capacity + slots[t]) * dim, row + kv_heads * dim, (size_t)dim * sizeof(float));
             }
-        status = ead_attend(qkv, width, dim, m, heads, kv_heads, dim, L->keys, L->values, capacity, block, tables,
+        status = ead_attend(qkv, width, dim, m, heads, kv_heads, dim, keys[l], values[l], capacity, block, tables,
                             table_count, meta, scale, heard);
         if (status) break;
         status = ead_rows_fused(heard, m, attended, 0, 0.0f, 0, L->o, hidden, L->o_bias, cur, mid, 0, 0, 0, 0, threads);
