@@ -15,9 +15,13 @@
    staying in the cache). Then one ``F.rms_norm`` of a row alone and right after one product, which streams its
    weight through the cache and evicts what the small operations use. The embedded large model, and with
    ``--smollm2`` SmolLM2-135M-Instruct too.
+4. The layers in one kernel call (``kernels.layers``: what the engine runs for a pass whose every query is a decode
+   step) against one call per operation (``FusedLlama.one_call = False``): one decode forward through the runner at
+   1, 4, 16 and 64 rows of 64 positions, both ways alternated, the fastest sample each; the embedded pair's models,
+   and with ``--smollm2`` SmolLM2-135M-Instruct's.
 
     OMP_NUM_THREADS=1 python -m benchmarks.step_floor [--rows 4] [--context 1100] [--repeats 5] [--smollm2]
-        [--only 3]
+        [--only 4]
 """
 
 from __future__ import annotations
@@ -245,14 +249,52 @@ def between(repeats: int, *, smollm2_too: bool) -> None:
     eviction(repeats)
 
 
+def one_call(name: str, runner: ModelRunner, repeats: int, inner: int) -> None:
+    from benchmarks.peer import DecodeForward
+
+    fused = runner._fused
+    if fused is None or not isinstance(fused, fused_llama.FusedLlama):
+        print(f"   {name}: not run on the fused forward; skipped")
+        return
+    for rows in (1, 4, 16, 64):
+        forward = DecodeForward(runner, rows)
+        best = {True: float("inf"), False: float("inf")}
+        for _ in range(repeats):
+            for way in (False, True):
+                fused.one_call = way
+                forward()  # the first after the other way's
+                best[way] = min(best[way], *(forward() for _ in range(inner)))
+        fused.one_call = True
+        forward.close()
+        print(
+            f"   {name}, {rows:2} rows: one call per operation {best[False] * 1e3:8.3f} ms, the layers in one call "
+            f"{best[True] * 1e3:8.3f} ms ({best[True] / best[False]:.3f})"
+        )
+
+
+def layers_in_one_call(repeats: int, *, smollm2_too: bool) -> None:
+    print("4. a decode forward (64 positions), the layers in one kernel call against one call per operation:")
+    small, large = embedded_pair()
+    engine = Engine(load_pair(LoadConfig(small=small, large=large, device="cpu")))
+    for role in (Role.SMALL, Role.LARGE):
+        one_call(f"embedded {role.value}", engine.runners[role], repeats, 100)
+    engine.close()
+    if smollm2_too:
+        from ead_llm.testing import smollm2
+
+        engine = Engine(load_pair(LoadConfig(small=str(smollm2.fast_draft()), large=str(smollm2.full_model()))))
+        one_call("SmolLM2-135M-Instruct", engine.runners[Role.LARGE], repeats, 10)
+        engine.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--context", type=int, default=1100)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--smollm2", action="store_true", help="section 3 on SmolLM2-135M-Instruct too")
-    parser.add_argument("--only", type=int, choices=(1, 2, 3), default=None, help="run this section only")
+    parser.add_argument("--smollm2", action="store_true", help="sections 3 and 4 on SmolLM2-135M-Instruct too")
+    parser.add_argument("--only", type=int, choices=(1, 2, 3, 4), default=None, help="run this section only")
     args = parser.parse_args()
     if args.only in (None, 1):
         attention(args.rows, args.context, args.repeats)
@@ -260,6 +302,8 @@ def main() -> None:
         compiled(args.repeats, args.tokens)
     if args.only in (None, 3):
         between(args.repeats, smollm2_too=args.smollm2)
+    if args.only in (None, 4):
+        layers_in_one_call(args.repeats, smollm2_too=args.smollm2)
 
 
 if __name__ == "__main__":

@@ -765,6 +765,9 @@ class FusedLlama:
         them (:mod:`ead_llm.core.fused_draft`)."""
         choose_kernel(self.projections, passes=self.timed_pass)
         tune_widths(self.projections)
+        self.one_call = True
+        """Run a pass whose every query lies past its row's prompt as one kernel call over all the layers
+        (:meth:`_native_table`); False: one call per operation (the same bits, slower)."""
         self._table: tuple[Any, tuple[torch.Tensor | None, ...]] | None = None
         """The layers as :func:`ead_llm.core.kernels.layers` reads them, and the packed weights it was built from
         (:meth:`_native_table`)."""
@@ -803,7 +806,9 @@ class FusedLlama:
         every layer fused on ead-llm's float32 kernel, one shape of heads and one scale. Built once, again after a
         projection's kernel changed; None otherwise (the layers run one call at a time)."""
         native = getattr(batch, "native", None)
-        if native is None or native.index is not None or hidden.dtype != torch.float32 or torch.is_grad_enabled():
+        if not self.one_call or native is None or native.index is not None or hidden.dtype != torch.float32:
+            return None
+        if torch.is_grad_enabled():
             return None
         packed = tuple(p.packed for p in self.projections[1:])
         if self._table is None or any(a is not b for a, b in zip(self._table[1], packed, strict=True)):
