@@ -21,6 +21,7 @@ import functools
 import hashlib
 import json
 import math
+import operator
 import os
 import platform
 import threading
@@ -748,6 +749,9 @@ class FusedLayer:
         return self.down.fused(gate_up, gated=True, residual=flat)[None]
 
 
+_PACKED = operator.attrgetter("packed")
+
+
 class FusedLlama:
     """The whole model's forward on a packed batch: logits at the positions read only."""
 
@@ -759,7 +763,8 @@ class FusedLlama:
         self.norm = (inner.norm.weight, float(inner.norm.variance_epsilon))
         self.head = Projection(model.lm_head.weight, model.lm_head.bias, kernel=kernel)
         self.layers = [FusedLayer(layer, kernel=kernel) for layer in inner.layers]
-        self.projections = [self.head, *(p for layer in self.layers for p in layer.projections)]
+        self.layer_projections = [p for layer in self.layers for p in layer.projections]
+        self.projections = [self.head, *self.layer_projections]
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""
@@ -810,8 +815,8 @@ class FusedLlama:
             return None
         if torch.is_grad_enabled():
             return None
-        packed = tuple(p.packed for p in self.projections[1:])
-        if self._table is None or any(a is not b for a, b in zip(self._table[1], packed, strict=True)):
+        packed = tuple(map(_PACKED, self.layer_projections))
+        if self._table is None or any(map(operator.is_not, self._table[1], packed)):
             self._table = (self._build_table(), packed)
         return self._table[0]
 
