@@ -768,14 +768,14 @@ class FusedLlama:
         self.keep_features = False
         """Store every position's final hidden state (after the last norm) in the cache, for a draft that reads
         them (:mod:`ead_llm.core.fused_draft`)."""
-        choose_kernel(self.projections, passes=self.timed_pass)
-        tune_widths(self.projections)
         self.one_call = True
         """Run a pass whose every query lies past its row's prompt as one kernel call over all the layers
         (:meth:`_native_table`); False: one call per operation (the same bits, slower)."""
         self._table: tuple[Any, tuple[torch.Tensor | None, ...]] | None = None
         """The layers as :func:`ead_llm.core.kernels.layers` reads them, and the packed weights it was built from
         (:meth:`_native_table`)."""
+        choose_kernel(self.projections, passes=self.timed_pass)
+        tune_widths(self.projections)
 
     def timed_pass(self, tokens: int) -> torch.Tensor:
         """A pass of ``tokens`` new tokens without attention (:class:`NoAttention`), as :func:`choose_kernel` times

@@ -449,6 +449,7 @@ def test_decode_passes_run_every_layer_in_one_kernel_call_with_the_bits_of_one_c
                 runner.cache.reserve(kv, target)
                 rows.append(PassRow(kv, tokens[:target], read=target - kv.length))
             outs.append(runner.execute(rows))
+            assert not outs[-1].failures, outs[-1].failures
         fed.append(sum(row.read for row in rows))
         tables.append(whole._fused._table)
         assert torch.equal(outs[0].logits, outs[1].logits), (step, (outs[0].logits - outs[1].logits).abs().max())
@@ -464,9 +465,10 @@ def test_decode_passes_run_every_layer_in_one_kernel_call_with_the_bits_of_one_c
 
 
 @torch.inference_mode()
-def test_the_one_call_layers_refuse_a_slot_outside_the_cache_and_write_nothing() -> None:
-    """A write slot past the storage (a cache cleared under a pass) is refused before any layer runs: the storage
-    and the hidden states are as they were."""
+def test_the_one_call_layers_refuse_a_slot_outside_the_cache_and_inputs_they_would_read_past() -> None:
+    """A write slot past the storage (a cache cleared under a pass) is refused before any layer runs, and so is an
+    input of another shape, type or layout than the kernel reads: the storage and the hidden states are as they
+    were."""
     if not kernels.available():
         pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
     loaded = _biased_llama(1)
@@ -486,5 +488,21 @@ def test_the_one_call_layers_refuse_a_slot_outside_the_cache_and_write_nothing()
     where = (torch.tensor([kv.blocks[0]]), torch.tensor([[0, 6, -1]]), runner.cache.block_size, first.scaling)
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.layers(table, hidden, (6, 2, 8), turn, storage, torch.tensor([capacity]), where)
+
+    def call(**bad: Any) -> None:
+        args = {"hidden": hidden, "turn": turn, "storage": storage, "slots": torch.tensor([0]), "where": where} | bad
+        kernels.layers(table, args["hidden"], (6, 2, 8), args["turn"], args["storage"], args["slots"], args["where"])
+
+    for bad in (  # what the kernel would read past: refused before it runs
+        {"storage": storage[:2]},
+        {"slots": torch.tensor([0], dtype=torch.int32)},
+        {"turn": (torch.ones(2, first.head_dim), torch.zeros(2, first.head_dim))},
+        {"where": (where[0], torch.tensor([[0, 6, -1], [0, 6, -1]]), *where[2:])},
+        {"hidden": hidden.double()},
+    ):
+        with pytest.raises(ValueError, match="layers"):
+            call(**bad)
     assert torch.equal(hidden, kept)
     assert all(torch.equal(a, b) for a, b in zip(before, [t for pair in storage for t in pair], strict=True))
+    call()  # each refusal above is its own change's: the call as given runs
+    assert not torch.equal(hidden, kept)

@@ -324,12 +324,25 @@ def layers(
     heads, kv_heads, dim = shape
     cos, sin = turn
     tables, meta, block, scale = attend
-    if len(storage) != len(table):
-        raise ValueError(f"{len(table)} layers need {len(table)} layers' storage, got {len(storage)}")
-    capacity = storage[0][0].shape[1]
+    tokens, width = hidden.shape
+    capacity = storage[0][0].shape[1] if storage else 0
+    stored = (kv_heads, capacity, dim)
+    # what the kernel reads past, it must hold: every shape and layout checked (a few microseconds a pass)
+    if (
+        len(storage) != len(table)
+        or any(t.shape != stored or not _plain(t, torch.float32) for pair in storage for t in pair)
+        or not _plain(hidden, torch.float32)
+        or any(t.shape != (tokens, dim) or not _plain(t, torch.float32) for t in (cos, sin))
+        or slots.shape != (tokens,)
+        or meta.numel() != 3 * tokens
+        or not all(_plain(t, torch.int64) for t in (slots, tables, meta))
+    ):
+        raise ValueError(
+            f"layers() takes {len(table)} layers' contiguous float32 storage {list(stored)} and, for {tokens} tokens, "
+            f"contiguous float32 cos and sin [{tokens}, {dim}], int64 slots [{tokens}], tables and meta ({tokens} x 3)"
+        )
     keys = (ctypes.c_void_p * len(storage))(*(k.data_ptr() for k, _ in storage))
     values = (ctypes.c_void_p * len(storage))(*(v.data_ptr() for _, v in storage))
-    tokens, width = hidden.shape
     status = library.ead_layers(
         table,
         len(table),
@@ -356,6 +369,10 @@ def layers(
         raise RuntimeError(f"a write slot or a query's block table lies outside the cache's {capacity} slots")
     if status:
         raise MemoryError(f"the kernel could not allocate its scratch for {tokens} tokens")
+
+
+def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
 
 
 def _rows_call(rows: torch.Tensor, name: str) -> tuple[ctypes.CDLL, torch.Tensor]:

@@ -540,17 +540,18 @@ struct ead_layer {
 };
 
 /* `count` decoder layers over x [m][hidden] (replaced by the last layer's output) for m tokens that each attend as a
- * decode step at their own position (ead_attend's tables and meta), their keys and values written first at `slots`
- * [m] of each layer's cache storage (keys[l], values[l]: [kv_heads][capacity][dim]): each layer is the calls the engine otherwise makes one by one (the projections through
- * ead_rows_fused, the attention through ead_attend, in the same order on the same values), so every token gets the
- * same bits either way, without a return to Python between them. cos, sin: [m][dim] (sin with its first half
- * negated), turning q's and k's heads. Returns 0; -1 when a scratch could not be allocated; -2, writing nothing, when
- * a slot lies outside the storage or a query's table is bad (see ead_attend; then the keys of that layer are
- * written already, as they would be one call at a time). */
+ * decode step at their own position (ead_attend's tables and meta). Each layer is the calls the engine otherwise
+ * makes one at a time, in the same order on the same values: q, k and v through ead_rows_fused (the input norm, cos
+ * and sin [m][dim], sin's first half negated, turning q's and k's heads), the keys and values copied to `slots` [m] of
+ * the layer's cache storage (keys[l], values[l]: [kv_heads][capacity][dim]), ead_attend, then o, gate and up, and down
+ * through ead_rows_fused. So every token gets the same bits either way, without a return to Python between them.
+ * Returns 0; -1 when a scratch could not be allocated; -2 when a slot lies outside the storage (nothing written) or
+ * a query's table is bad (ead_attend's check: that layer's keys and values are written by then, as one call at a
+ * time would have written them). */
 int64_t ead_layers(const struct ead_layer *layers, int64_t count, float *const *keys, float *const *values, float *x,
-                   int64_t m, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, const float *cos, const float *sin, const int64_t *slots,
-                   int64_t capacity, int64_t block, const int64_t *tables, int64_t table_count, const int64_t *meta,
-                   float scale, int64_t threads) {
+                   int64_t m, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t dim, const float *cos,
+                   const float *sin, const int64_t *slots, int64_t capacity, int64_t block, const int64_t *tables,
+                   int64_t table_count, const int64_t *meta, float scale, int64_t threads) {
     const int64_t width = (heads + 2 * kv_heads) * dim, turned = heads + kv_heads, attended = heads * dim;
     for (int64_t t = 0; t < m; t++)
         if (slots[t] < 0 || slots[t] >= capacity) return -2;
@@ -573,12 +574,14 @@ int64_t ead_layers(const struct ead_layer *layers, int64_t count, float *const *
             for (int64_t h = 0; h < kv_heads; h++) {
                 const float *row = qkv + t * width + (heads + h) * dim;
                 memcpy(keys[l] + (h * capacity + slots[t]) * dim, row, (size_t)dim * sizeof(float));
-                memcpy(values[l] + (h * capacity + slots[t]) * dim, row + kv_heads * dim, (size_t)dim * sizeof(float));
+                memcpy(values[l] + (h * capacity + slots[t]) * dim, row + kv_heads * dim,
+                       (size_t)dim * sizeof(float));
             }
         status = ead_attend(qkv, width, dim, m, heads, kv_heads, dim, keys[l], values[l], capacity, block, tables,
                             table_count, meta, scale, heard);
         if (status) break;
-        status = ead_rows_fused(heard, m, attended, 0, 0.0f, 0, L->o, hidden, L->o_bias, cur, mid, 0, 0, 0, 0, threads);
+        status =
+            ead_rows_fused(heard, m, attended, 0, 0.0f, 0, L->o, hidden, L->o_bias, cur, mid, 0, 0, 0, 0, threads);
         if (!status)
             status = ead_rows_fused(mid, m, hidden, L->post_norm, L->post_eps, 0, L->gate_up, 2 * L->intermediate,
                                     L->gate_up_bias, 0, gate_up, 0, 0, 0, 0, threads);
