@@ -406,15 +406,16 @@ def _biased_llama(seed: int) -> LoadedModel:
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
 @pytest.mark.parametrize("model", ["tiny-pair", "biased-grouped"])
 def test_decode_passes_run_every_layer_in_one_kernel_call_with_the_bits_of_one_call_per_operation(
-    llama_pair: ModelPair, model: str, monkeypatch: pytest.MonkeyPatch
+    llama_pair: ModelPair, model: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A pass whose every query is a decode step over the cache (decodes, catch-ups of a few tokens, several rows)
     runs all of its model's layers in one call of the kernel (:func:`ead_llm.core.kernels.layers`), and gives the
-    logits, and writes the keys, that the layers one operation at a time give, to the bit; a pass with a prompt in it
-    runs the layers one by one. Where the kernel's weights change (a projection put on another kernel and back), the
-    call's table is built again."""
+    logits, and writes the keys, that the layers one operation at a time give, to the bit, on one thread or two
+    (the kernel's helpers); a pass with a prompt in it runs the layers one by one. Where the kernel's weights change (a
+    projection put on another kernel and back), the call's table is built again."""
     if not kernels.available():
         pytest.skip("ead-llm's own kernel does not build here (no C compiler, or no AVX2 and FMA)")
     loaded = llama_pair.model(Role.LARGE) if model == "tiny-pair" else _biased_llama(0)
@@ -448,7 +449,12 @@ def test_decode_passes_run_every_layer_in_one_kernel_call_with_the_bits_of_one_c
                 target = (5, 9, 3)[i] if step == 0 else kv.length + 1 + (step + i) % 3  # 1 to 3 tokens a row
                 runner.cache.reserve(kv, target)
                 rows.append(PassRow(kv, tokens[:target], read=target - kv.length))
-            outs.append(runner.execute(rows))
+            before = torch.get_num_threads()
+            torch.set_num_threads(threads)  # (torch's prompt attention may round otherwise on two threads)
+            try:
+                outs.append(runner.execute(rows))
+            finally:
+                torch.set_num_threads(before)
             assert not outs[-1].failures, outs[-1].failures
         fed.append(sum(row.read for row in rows))
         tables.append(whole._fused._table)
