@@ -9,12 +9,13 @@
 2. A compiled decode step: the embedded pair's large model at batch 1, the fused forward as it is against the
    same layer body compiled with ``torch.compile`` around the paged attention (before and after it).
 3. The work between a decode forward's matrix products (norms, rotary, attention, the cache's writes: dozens of
-   small operations per layer), in place and alone: one decode forward through the runner (64 positions, one
-   row) as it runs, its products timed where they run; the products alone, one after another; and the forward
-   with every product's output replayed from a first call (the work between them alone, its code and data
-   staying in the cache). Then one ``F.rms_norm`` of a row alone and right after one product, which streams its
-   weight through the cache and evicts what the small operations use. The embedded large model, and with
-   ``--smollm2`` SmolLM2-135M-Instruct too.
+   small operations per layer), in place and alone, with the layers one call per operation (``one_call = False``;
+   section 4 weighs the one call): one decode forward through the runner (64 positions, one row) as it runs, its
+   products (``Projection.__call__`` and ``Projection.fused``, with the work fused into them) timed where they run;
+   the products alone, one after another; and the forward with every product's output replayed from a first call
+   (the work between them alone, its code and data staying in the cache). Then one ``F.rms_norm`` of a row alone
+   and right after one product, which streams its weight through the cache and evicts what the small operations
+   use. The embedded large model, and with ``--smollm2`` SmolLM2-135M-Instruct too.
 4. The layers in one kernel call (``kernels.layers``: what the engine runs for a pass whose every query is a decode
    step) against one call per operation (``FusedLlama.one_call = False``): one decode forward through the runner at
    1, 4, 16 and 64 rows of 64 positions, both ways alternated, the fastest sample each; the embedded pair's models,
@@ -178,29 +179,43 @@ def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
     if fused is None:
         print(f"   {name}: not run on the fused forward; skipped")
         return
-    plain = fused_llama.Projection.__call__
+    plain = {name: getattr(fused_llama.Projection, name) for name in ("__call__", "fused")}
     spent = [0.0]
 
-    def timed(self: fused_llama.Projection, x: torch.Tensor) -> torch.Tensor:
-        start = time.perf_counter()
-        out = plain(self, x)
-        spent[0] += time.perf_counter() - start
-        return out
+    def timed(name: str) -> Callable[..., torch.Tensor]:
+        def run(self: fused_llama.Projection, x: torch.Tensor, **work: Any) -> torch.Tensor:
+            start = time.perf_counter()
+            out = plain[name](self, x, **work)
+            spent[0] += time.perf_counter() - start
+            return out
 
-    replayed: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        return run
 
-    def replay(self: fused_llama.Projection, x: torch.Tensor) -> torch.Tensor:
-        key = (id(self), tuple(x.shape))
-        if key not in replayed:
-            replayed[key] = plain(self, x)
-        return replayed[key]
+    replayed: dict[tuple[str, int, tuple[int, ...]], torch.Tensor] = {}
 
-    fused_llama.Projection.__call__ = timed  # type: ignore[method-assign]
+    def replay(name: str) -> Callable[..., torch.Tensor]:
+        def run(self: fused_llama.Projection, x: torch.Tensor, **work: Any) -> torch.Tensor:
+            key = (name, id(self), tuple(x.shape))
+            if key not in replayed:
+                replayed[key] = plain[name](self, x, **work)
+            return replayed[key]
+
+        return run
+
+    def patch(way: Callable[[str], Callable[..., torch.Tensor]] | None) -> None:
+        for name, method in plain.items():
+            setattr(fused_llama.Projection, name, method if way is None else way(name))
+
+    if isinstance(fused, fused_llama.FusedLlama):
+        fused.one_call = False  # the calls one at a time: the work between them is what this section weighs
+    patch(timed)
     forward = forward_s(runner, 64, repeats=repeats, after_prompt=lambda: spent.__setitem__(0, 0.0)) * 1e3
     products_in_place = spent[0] * 1e3 / repeats
-    fused_llama.Projection.__call__ = replay  # type: ignore[method-assign]
+    patch(replay)
     between_alone = forward_s(runner, 64, repeats=repeats) * 1e3
-    fused_llama.Projection.__call__ = plain  # type: ignore[method-assign]
+    patch(None)
+    if isinstance(fused, fused_llama.FusedLlama):
+        fused.one_call = True
     inputs = [(p, torch.randn(1, 1, p.weight.shape[1])) for p in fused.projections]
 
     def products() -> None:
