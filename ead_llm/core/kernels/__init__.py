@@ -372,7 +372,7 @@ def layers(
 
 
 def _plain(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
-    return tensor.dtype == dtype and tensor.device.type == "cpu" and tensor.is_contiguous()
+    return tensor.dtype == dtype and tensor.is_cpu and tensor.is_contiguous()  # (is_cpu: no device object made)
 
 
 def _rows_call(rows: torch.Tensor, name: str) -> tuple[ctypes.CDLL, torch.Tensor]:
