@@ -126,3 +126,71 @@ def test_stop_matcher_matches_reference_for_any_split(text: str, stops: list[str
     if not matcher.matched:
         out += matcher.flush()
     assert out == reference_cut(text, stops)
+
+
+def pieces_both_ways(
+    tokenizer, context: list[int], ids: list[int], clone_at: int | None = None
+) -> tuple[list[str], list[str]]:
+    """Each token's piece, then the flush, from the backend's stream and from the Python steps (a clone taken
+    after ``clone_at`` tokens carries on in the first list)."""
+    from ead_llm.core import output
+
+    runs = []
+    for streamed in (True, False):
+        output.STREAMED = streamed
+        try:
+            detok = IncrementalDetokenizer(tokenizer, context)
+            assert streamed or detok._stream is None
+            pieces = []
+            for n, token in enumerate(ids):
+                if n == clone_at:
+                    detok = detok.clone()
+                pieces.append(detok.push(token))
+            runs.append([*pieces, detok.flush()])
+        finally:
+            output.STREAMED = True
+    return runs[0], runs[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    context=st.lists(st.integers(0, 319), max_size=8),
+    ids=st.lists(st.integers(0, 319), max_size=24),
+    clone_at=st.none() | st.integers(0, 24),
+)
+def test_the_backends_stream_gives_the_python_steps_pieces(bpe, context, ids, clone_at) -> None:
+    """Any ids (special tokens, bytes inside characters, any context), a clone anywhere: the same piece for every
+    token and the same flush, whichever way the detokenizer steps."""
+    streamed, python = pieces_both_ways(bpe, context, ids, clone_at)
+    assert streamed == python
+
+
+def test_the_python_steps_take_over_a_sequence_whose_stream_fails(bpe, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream that refuses a window (the backend's InvalidPrefix) hands the sequence to the Python steps, which
+    carry on from the same windows."""
+    text = "café 🙂 数学 ∑ the fox"
+    ids = bpe.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(bpe, bpe.encode("prefix ", add_special_tokens=False))
+    pieces = [detok.push(t) for t in ids[:5]]
+
+    class Refusing:
+        def step(self, backend, token):
+            raise Exception("InvalidPrefix")
+
+    detok._stream = Refusing()  # type: ignore[assignment]
+    pieces += [detok.push(t) for t in ids[5:]]
+    assert detok._stream is None
+    assert "".join(pieces) + detok.flush() == text
+
+
+@pytest.mark.parametrize("stops", [(), ("zz",)])
+def test_a_sequence_ending_inside_a_character_keeps_its_last_bytes(bpe, stops: tuple[str, ...]) -> None:
+    """The last token flushes what the detokenizer held (an incomplete character as U+FFFD, as ``decode`` gives it),
+    with stop strings or without."""
+    from ead_llm.core.output import OutputProcessor
+
+    ids = bpe.encode("ab 🙂", add_special_tokens=False)[:-1]
+    whole = bpe.decode(ids, skip_special_tokens=True)
+    assert whole.endswith("\ufffd")
+    processor = OutputProcessor(bpe, [], stops)
+    assert "".join(processor.push(t, last=n == len(ids) - 1) for n, t in enumerate(ids)) == whole

@@ -8,6 +8,8 @@ from pathlib import Path
 import dspy
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from langchain_core.messages import AIMessageChunk, HumanMessage
 from transformers import AutoModelForCausalLM
 
@@ -16,6 +18,7 @@ from ead_llm.adapters.prompts import render
 from ead_llm.core.engine import Engine
 from ead_llm.core.loading import LoadConfig, load_pair
 from ead_llm.core.request import Request, SamplingParams
+from tests.core.test_text import pieces_both_ways
 
 pytestmark = pytest.mark.real_model
 
@@ -82,6 +85,20 @@ def test_multibyte_characters_never_stream_broken(engine: Engine) -> None:
     assert all("\ufffd" not in piece for piece in pieces)
     whole = engine.tokenizer.decode([e.token_id for e in events], skip_special_tokens=True)
     assert "".join(pieces) == whole
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_the_backends_stream_gives_the_python_steps_pieces_on_a_real_vocabulary(engine: Engine, data) -> None:
+    """The detokenizer's two ways on 49,152 byte-level BPE tokens (byte tokens, special ones, any context and a
+    clone anywhere): the same piece for every token and the same flush."""
+    vocab = len(engine.tokenizer)
+    pool = data.draw(st.sampled_from([range(vocab), range(400), range(vocab - 200, vocab)]))
+    context = data.draw(st.lists(st.sampled_from(pool), max_size=8))
+    ids = data.draw(st.lists(st.sampled_from(pool), max_size=24))
+    clone_at = data.draw(st.none() | st.integers(0, 24))
+    streamed, python = pieces_both_ways(engine.tokenizer, context, ids, clone_at)
+    assert streamed == python
 
 
 def test_dspy_predict_with_its_chat_adapter_runs(real_paths) -> None:
