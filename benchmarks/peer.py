@@ -19,11 +19,14 @@ both sides unless ``--threads`` says otherwise.
     ``16 * t(1) / t(16)`` (``t``: a decode forward of each model, through the engine's runner). EAD feeds every
     token to both models (the one not writing catches up later, several tokens in one pass, which alone costs
     about one decode forward), so that speed-up also shows what one caller alone already gains; the last (d)
-    figure is the 16 callers' tokens/s against the ceiling the models allow for that work, ``16 / t(16)``.
+    figure is the 16 callers' tokens/s against the ceiling the models allow for that work, ``16 / t(16)``. Also
+    printed: the share of the headroom counting the models' forward passes alone on both sides (what EAD's passes
+    allow, with no work between them).
 (e) EAD with lookahead (window 1, dwell 1, 0.05 bits) against the measured-time ideal
     ``f_L * t_L + (1 - f_L) * t_S`` (t_S, t_L: SmallOnly's and LargeOnly's time per token), and how many of the
-    generated tokens the large model was fed (it catches up on the small model's, several per pass). The three
-    policies take turns prompt by prompt, as the sides of (a) do.
+    generated tokens the large model was fed (it catches up on the small model's, several per pass), and the same
+    ratio over the models' forward passes alone. The three policies take turns prompt by prompt, as the sides of (a)
+    do.
 
     python benchmarks/peer.py [--repeats 5] [--problems 20] [--threads 1] [--json out.json] [--quick]
 """
@@ -418,14 +421,25 @@ def concurrency(engine: Engine, requests: list[Request], repeats: int) -> dict[s
         return sum(counts)
 
     callers = len(requests)
-    ratios, shares, ceilings = [], [], []
+    clock = ForwardClock(engine)
+    ratios, shares, ceilings, forward_shares = [], [], [], []
     for _ in range(repeats):
-        a, b = timed(alone), timed(together)
+        before = clock.seconds
+        a = timed(alone)
+        middle = clock.seconds
+        b = timed(together)
+        forward_alone, forward_together = middle - before, clock.seconds - middle
         ratios.append((b[1] / b[0]) / (a[1] / a[0]))
         t1, t16 = forward_times(engine, callers)
         shares.append(ratios[-1] / (callers * t1 / t16))
         ceilings.append((b[1] / b[0]) / (callers / t16))
-    return {"speed_up": spread(ratios), "share_of_headroom": spread(shares), "share_of_ceiling": spread(ceilings)}
+        forward_shares.append(((b[1] / forward_together) / (a[1] / forward_alone)) / (callers * t1 / t16))
+    return {
+        "speed_up": spread(ratios),
+        "share_of_headroom": spread(shares),
+        "share_of_ceiling": spread(ceilings),
+        "forward_share_of_headroom": spread(forward_shares),
+    }
 
 
 def vs_ideal(time_of: Mapping[str, float], tokens: Mapping[str, int], fraction: float) -> float:
@@ -541,6 +555,11 @@ def main() -> None:
     print(
         f"(e) EAD+lookahead large fraction {e['large_fraction']:.3f}; generated tokens the large model was fed, per "
         f"token: {e['large_fed_per_token']:.3f} (the ideal counts only those it wrote; the rest it catches up on)"
+    )
+    forward_share = d["forward_share_of_headroom"]
+    print(
+        f"(d) the share of the headroom over the models' forward passes alone: {forward_share['median']:.3f} "
+        f"({forward_share['min']:.3f}-{forward_share['max']:.3f}; the passes EAD runs, with no work between them)"
     )
     forward_only = e["forward_only"]
     print(
