@@ -49,7 +49,7 @@ from ead_llm.core.fused_llama import supports as supports_fused
 from ead_llm.core.kv_cache import KVCache, SequenceKV
 from ead_llm.core.loading import LoadedModel
 from ead_llm.core.transfer import upload
-from ead_llm.core.types import ForwardWork, Role
+from ead_llm.core.types import ForwardWork, Role, quick_init
 
 logger = logging.getLogger(__name__)
 
@@ -540,6 +540,7 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
 
+@quick_init
 @dataclass(frozen=True)
 class PassRow:
     """One sequence in one pass: feed what the model has not seen, read the last ``read`` positions."""

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ead_llm.core.policy import Decoder, ForkRoom, Policy, SequenceView
-from ead_llm.core.types import Action, Read, Role, TokenSample
+from ead_llm.core.types import Action, Read, Role, TokenSample, quick_init
 from ead_llm.core.validation import check_float, check_int
 
 
+@quick_init
 @dataclass(frozen=True)
 class EADState:
     """Per-sequence state of EAD."""
