@@ -301,10 +301,10 @@ class Engine(Frontend):
             )
             drawn = self.sampler(mine, meta)
             entropy = drawn.entropy_bits if raw is None else raw if len(part) == len(rows) else raw[index]
-            branch = None
-            if any(q.decoder.branch_stats for q in them):
-                branch = (*top_two(mine), branch_entropy(mine, [q.decoder.branch_top_k for q in them]))
-            return SampledRows(role, part, mine, drawn.tokens, entropy, branch)
+            stats = any(q.decoder.branch_stats for q in them)
+            branch = (*top_two(mine), branch_entropy(mine, [q.decoder.branch_top_k for q in them])) if stats else None
+            keep = any(q.decoder.reads_logits for q in them)  # a row of logits per sample only where it is read
+            return SampledRows(role, part, mine, drawn.tokens, entropy, branch, keep)
 
         return self._per_row(seqs, rows, run)
 

@@ -124,6 +124,9 @@ class Decoder(ABC):
     """The probabilities EAGER's entropy is measured over, when ``branch_stats``."""
     forks: ClassVar[bool] = False
     """Whether it may branch new paths (its text is then made on the scheduler thread)."""
+    reads_logits: ClassVar[bool] = True
+    """Whether :meth:`on_token` reads a sample's :attr:`~ead_llm.core.types.TokenSample.logits`; where no row of a
+    pass has such a decoder, the engine leaves them out (None): a view per row cost 1-2 us a row a step."""
 
     @abstractmethod
     def read(self, seq: SequenceView) -> Read:

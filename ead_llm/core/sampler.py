@@ -320,6 +320,8 @@ class SampledRows:
     """[b] float32 bits."""
     branch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     """Top-1 and top-2 tokens and EAGER's entropy (nats over each row's top-k), ``[b]`` each, when asked for."""
+    keep_logits: bool = True
+    """Whether each sample carries its row of ``logits`` (False: None, where no decoder of the rows reads them)."""
 
     def columns(self) -> list[torch.Tensor]:
         return [self.tokens, self.entropy, *(self.branch or ())]
@@ -327,16 +329,15 @@ class SampledRows:
     def results(self, host: list[list[float]]) -> list[tuple[int, TokenSample]]:
         """Each row's :class:`TokenSample`, from :meth:`columns` on the host."""
         tokens, entropies, *branch = host
+        role = self.role
+        views = self.logits.unbind(0) if self.keep_logits else (None,) * len(self.rows)  # unbind: one call, not b
+        if not branch:
+            return [(row, TokenSample(role, int(tokens[j]), entropies[j], views[j])) for j, row in enumerate(self.rows)]
         return [
             (
                 row,
                 TokenSample(
-                    role=self.role,
-                    token=int(tokens[j]),
-                    entropy=entropies[j],
-                    logits=self.logits[j],
-                    top2=(int(branch[0][j]), int(branch[1][j])) if branch else None,
-                    top_k_nats=branch[2][j] if branch else None,
+                    role, int(tokens[j]), entropies[j], views[j], (int(branch[0][j]), int(branch[1][j])), branch[2][j]
                 ),
             )
             for j, row in enumerate(self.rows)

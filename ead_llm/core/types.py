@@ -253,8 +253,9 @@ class TokenSample:
     """Drawn under the sequence's sampling settings (argmax when greedy)."""
     entropy: float
     """Bits, of the raw logits."""
-    logits: torch.Tensor
-    """[V] raw logits (a view into the pass's output; a draft keeps it for its verification)."""
+    logits: torch.Tensor | None
+    """[V] raw logits (a view into the pass's output; a draft keeps it for its verification); None where no decoder
+    of the pass reads them (:attr:`ead_llm.core.policy.Decoder.reads_logits`)."""
     top2: tuple[int, int] | None = None
     """The two most likely tokens, when the decoder asked for branch statistics."""
     top_k_nats: float | None = None

@@ -238,6 +238,7 @@ class BranchingDecoder(Decoder):
 
     branch_stats: ClassVar[bool] = True
     forks: ClassVar[bool] = True
+    reads_logits: ClassVar[bool] = False  # (nor does its inner switching decoder)
 
     def __init__(self, policy: EAGER, inner: SwitchingDecoder, prompt: PromptPaths, *, root: bool = True) -> None:
         self.policy, self.inner, self.prompt, self.root = policy, inner, prompt, root

@@ -226,6 +226,7 @@ class DraftVerifyDecoder(Decoder):
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
         self.state = self.policy.advance(self.state, sample.role, sample.entropy)
+        assert sample.logits is not None  # (it reads them: Decoder.reads_logits)
         self.drafts.append((sample.token, sample.logits, sample.entropy))
         if sample.top2 is not None:
             first, second = sample.top2

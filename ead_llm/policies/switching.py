@@ -113,12 +113,14 @@ class SwitchingDecoder(Decoder):
     writes its position at the next step; the withheld pass's work is billed with that token.
     """
 
+    reads_logits: ClassVar[bool] = False
+
     def __init__(self, policy: Policy, state: Any) -> None:
         self.policy, self.state = policy, state
         self.withheld = 0
 
     def read(self, seq: SequenceView) -> Read:
-        return Read(self.policy.choose(self.state))
+        return _READS[self.policy.choose(self.state)]
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
         revised = self.policy.withhold(self.state, sample.role, sample.entropy)
@@ -135,5 +137,8 @@ class SwitchingDecoder(Decoder):
         """The same policy state (a branched path continues from here)."""
         return SwitchingDecoder(self.policy, self.state)
 
+
+_READS = {role: Read(role) for role in Role}
+"""The two reads a switching decoder asks for (reads are frozen: one of each serves every row and step)."""
 
 Policy.default_family = SwitchingDecoder

@@ -204,3 +204,44 @@ def test_long_rows_side_by_side_are_read_in_place_and_equal_generate(
     assert len(fresh) == 4 and len(views) == len(units) - 4 >= 4 * 5
     assert all(isinstance(piece, slice) for u in views for piece in u.pieces)  # no copies
     engine.close()
+
+
+def test_a_samples_logits_reach_the_decoders_that_read_them(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder that reads a sample's logits (every decoder, unless it says otherwise) gets its row of the pass's
+    logits, also in a pass beside rows whose decoders do not read them. A pass where no decoder reads them gives
+    None (a view per row costs a microsecond or two a step). The texts are the same either way."""
+    from ead_llm.core.policy import Decoder
+    from ead_llm.policies.switching import SwitchingDecoder
+
+    class Reading(SwitchingDecoder):
+        reads_logits = True
+
+    seen: dict[bool, list[torch.Tensor | None]] = {True: [], False: []}
+    on_token = SwitchingDecoder.on_token
+
+    def record(self: SwitchingDecoder, seq, sample, room):
+        seen[self.reads_logits].append(sample.logits)
+        return on_token(self, seq, sample, room)
+
+    monkeypatch.setattr(SwitchingDecoder, "on_token", record)
+    alone = [done.text for done in engine.generate([Request(p, EAD(), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+    assert seen[False] and all(logits is None for logits in seen[False]) and not seen[True]
+    assert Decoder.reads_logits and not SwitchingDecoder.reads_logits
+    build = EAD.build_decoder
+    reading = {1, 3}  # these rows' decoders read the logits
+    made: list[int] = []
+
+    def build_some_reading(self: EAD, key: int, call: dict) -> Decoder:  # type: ignore[type-arg]
+        decoder = build(self, key, call)
+        made.append(len(made))
+        if made[-1] in reading:
+            decoder.__class__ = Reading
+        return decoder
+
+    monkeypatch.setattr(EAD, "build_decoder", build_some_reading)
+    seen[True].clear()
+    seen[False].clear()
+    mixed = [done.text for done in engine.generate([Request(p, EAD(), SamplingParams(max_tokens=8)) for p in PROMPTS])]
+    assert mixed == alone
+    assert seen[True] and all(isinstance(logits, torch.Tensor) for logits in seen[True])
+    assert all(logits.shape == (engine.pair.vocab_size,) for logits in seen[True])  # type: ignore[union-attr]
