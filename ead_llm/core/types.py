@@ -18,15 +18,15 @@ def quick_init(cls: type[T]) -> type[T]:
     """Give a frozen dataclass an ``__init__`` that fills the instance's ``__dict__`` directly, with the same signature
     and defaults. The generated one sets each field through ``object.__setattr__``: 1.2-2.3 us for the types the
     engine makes several of per row per step (a read, a pass row, its work, a sample, an emitted token, EAD's state)
-    against 0.4-0.6 this way. The class stays frozen, equal and hashable as before. For frozen dataclasses whose
-    fields are all plain ``__init__`` parameters (no ``__post_init__``, default factory, keyword-only field or
-    slots): others are refused."""
+    against 0.6-1.0 this way, called positionally. The class stays frozen, equal and hashable as before. For frozen
+    dataclasses whose fields are all plain ``__init__`` parameters (no ``__post_init__``, default factory,
+    keyword-only field, slots, nor a field named ``self`` or ``own``): others are refused."""
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen or "__slots__" in cls.__dict__ or hasattr(cls, "__post_init__"):
         raise TypeError(f"quick_init takes a frozen dataclass without slots or __post_init__, not {cls.__name__}")
     names, defaults = [], {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING:
+        if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING or f.name in ("self", "own"):
             raise TypeError(f"quick_init: {cls.__name__}.{f.name} is not a plain __init__ parameter")
         if f.default is dataclasses.MISSING:
             names.append(f.name)

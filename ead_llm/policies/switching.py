@@ -120,7 +120,8 @@ class SwitchingDecoder(Decoder):
         self.withheld = 0
 
     def read(self, seq: SequenceView) -> Read:
-        return _READS[self.policy.choose(self.state)]
+        role = self.policy.choose(self.state)
+        return _READS.get(role) or Read(role)
 
     def on_token(self, seq: SequenceView, sample: TokenSample, room: ForkRoom) -> list[Action]:
         revised = self.policy.withhold(self.state, sample.role, sample.entropy)

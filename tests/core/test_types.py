@@ -64,7 +64,7 @@ def test_a_quick_init_builds_what_the_dataclass_init_builds(cls: type) -> None:
 
 def test_quick_init_refuses_what_it_cannot_build() -> None:
     """A class that is not a frozen dataclass, or has a default factory, a keyword-only field, an init-less field,
-    slots or a ``__post_init__``, is refused rather than built wrong."""
+    slots, a ``__post_init__`` or a field the generated code names itself, is refused rather than built wrong."""
 
     class Plain:
         x: int
@@ -96,7 +96,11 @@ def test_quick_init_refuses_what_it_cannot_build() -> None:
         def __post_init__(self) -> None:
             pass
 
-    for cls in (Plain, Thawed, Factory, KeywordOnly, NoInit, Slotted, Checked):
+    @dataclasses.dataclass(frozen=True)
+    class Shadowing:
+        own: int
+
+    for cls in (Plain, Thawed, Factory, KeywordOnly, NoInit, Slotted, Checked, Shadowing):
         with pytest.raises(TypeError, match="quick_init"):
             quick_init(cls)
 
