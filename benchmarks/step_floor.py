@@ -206,6 +206,7 @@ def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
         for name, method in plain.items():
             setattr(fused_llama.Projection, name, method if way is None else way(name))
 
+    one_call = getattr(fused, "one_call", None)
     if isinstance(fused, fused_llama.FusedLlama):
         fused.one_call = False  # the calls one at a time: the work between them is what this section weighs
     patch(timed)
@@ -215,7 +216,7 @@ def between_products(name: str, runner: ModelRunner, repeats: int) -> None:
     between_alone = forward_s(runner, 64, repeats=repeats) * 1e3
     patch(None)
     if isinstance(fused, fused_llama.FusedLlama):
-        fused.one_call = True
+        fused.one_call = bool(one_call)  # as it was
     inputs = [(p, torch.randn(1, 1, p.weight.shape[1])) for p in fused.projections]
 
     def products() -> None:

@@ -329,17 +329,12 @@ class SampledRows:
     def results(self, host: list[list[float]]) -> list[tuple[int, TokenSample]]:
         """Each row's :class:`TokenSample`, from :meth:`columns` on the host."""
         tokens, entropies, *branch = host
-        role = self.role
-        views = self.logits.unbind(0) if self.keep_logits else (None,) * len(self.rows)  # unbind: one call, not b
-        if not branch:
-            return [(row, TokenSample(role, int(tokens[j]), entropies[j], views[j])) for j, row in enumerate(self.rows)]
+        role, none = self.role, (None,) * len(self.rows)
+        views = self.logits.unbind(0) if self.keep_logits else none  # unbind: one call, not one per row
+        top2 = [(int(a), int(b)) for a, b in zip(branch[0], branch[1], strict=True)] if branch else none
+        nats = branch[2] if branch else none
         return [
-            (
-                row,
-                TokenSample(
-                    role, int(tokens[j]), entropies[j], views[j], (int(branch[0][j]), int(branch[1][j])), branch[2][j]
-                ),
-            )
+            (row, TokenSample(role, int(tokens[j]), entropies[j], views[j], top2[j], nats[j]))
             for j, row in enumerate(self.rows)
         ]
 

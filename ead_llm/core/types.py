@@ -21,22 +21,21 @@ def quick_init(cls: type[T]) -> type[T]:
     against 0.6-1.0 this way, called positionally. The class stays frozen, equal and hashable as before. For frozen
     dataclasses whose fields are all plain ``__init__`` parameters (no ``__post_init__``, default factory,
     keyword-only field, slots, nor a field named ``self`` or ``own``): others are refused."""
-    params = getattr(cls, "__dataclass_params__", None)
-    if params is None or not params.frozen or "__slots__" in cls.__dict__ or hasattr(cls, "__post_init__"):
+    settings = getattr(cls, "__dataclass_params__", None)
+    if settings is None or not settings.frozen or "__slots__" in cls.__dict__ or hasattr(cls, "__post_init__"):
         raise TypeError(f"quick_init takes a frozen dataclass without slots or __post_init__, not {cls.__name__}")
-    names, defaults = [], {}
+    arguments, body, defaults = [], [], {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING or f.name in ("self", "own"):
             raise TypeError(f"quick_init: {cls.__name__}.{f.name} is not a plain __init__ parameter")
         if f.default is dataclasses.MISSING:
-            names.append(f.name)
+            arguments.append(f.name)
         else:
             defaults[f"_default_{f.name}"] = f.default
-            names.append(f"{f.name}=_default_{f.name}")
-    fields = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    body = "".join(f"    own[{name!r}] = {name}\n" for name in fields)
+            arguments.append(f"{f.name}=_default_{f.name}")
+        body.append(f"    own[{f.name!r}] = {f.name}\n")
     namespace = dict(defaults)
-    exec(f"def __init__(self, {', '.join(names)}):\n    own = self.__dict__\n{body}", namespace)
+    exec(f"def __init__(self, {', '.join(arguments)}):\n    own = self.__dict__\n{''.join(body)}", namespace)
     init = namespace["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
