@@ -250,21 +250,22 @@ def _attention_reference(
 
 
 @needs_kernel
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 12)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 32), (2, 1, 12), (3, 1, 24), (2, 2, 80)])
 def test_the_attention_kernel_reads_each_query_over_its_own_table_and_nothing_else(
     heads: int, kv_heads: int, dim: int
 ) -> None:
     """Queries of rows whose blocks lie scattered, one with a sibling's own slot after its positions, read where a
     cache stores them: plain attention's values, with every slot no query owns poisoned with NaN; each query's bits
     are the same alone as beside the others, and a query with strides (a view of a layer's q/k/v output) reads as
-    a copy does."""
+    a copy does. The rows see 3 to 37 positions: the kernel takes keys eight at a time, exponentials 32 at a time and
+    a head's outputs 64, 32, 16 and 8 at a time, each with its own tail."""
     gen = torch.Generator().manual_seed(heads * dim)
     block, capacity = 4, 96
     keys = torch.full((kv_heads, capacity, dim), float("nan"))
     values = torch.full((kv_heads, capacity, dim), float("nan"))
-    tables = [[7, 2, 9, 0, 20], [5, 6, 1], [11]]
-    seen = [19, 10, 3]  # positions each row's query sees
-    own = [-1, 3 * block + 2, -1]  # row 1 is a sibling: its own keys at a slot of block 3
+    tables = [[7, 2, 9, 0, 20], [5, 6, 1], [11], [12, 13, 14, 15, 16, 17, 18, 19, 21, 22]]
+    seen = [19, 10, 3, 37]  # positions each row's query sees
+    own = [-1, 3 * block + 2, -1, -1]  # row 1 is a sibling: its own keys at a slot of block 3
     rows_slots = []
     for table, n, extra in zip(tables, seen, own, strict=True):
         slots = [table[p // block] * block + p % block for p in range(n)] + ([extra] if extra >= 0 else [])
@@ -276,12 +277,13 @@ def test_the_attention_kernel_reads_each_query_over_its_own_table_and_nothing_el
     for table, n, extra in zip(tables, seen, own, strict=True):
         meta.extend((len(flat), n, extra))
         flat.extend(table)
-    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim, generator=gen)
-    query = qkv[:, : heads * dim].view(3, heads, dim)  # strided over tokens
-    flat_t, meta_t = torch.tensor(flat), torch.tensor(meta).view(3, 3)
+    rows = len(tables)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen)
+    query = qkv[:, : heads * dim].view(rows, heads, dim)  # strided over tokens
+    flat_t, meta_t = torch.tensor(flat), torch.tensor(meta).view(rows, 3)
     together = kernels.attend(query, keys, values, flat_t, meta_t, block, dim**-0.5)
-    assert together.shape == (3, heads, dim) and not together.isnan().any()
-    for t in range(3):
+    assert together.shape == (rows, heads, dim) and not together.isnan().any()
+    for t in range(rows):
         want = _attention_reference(query[t], keys, values, rows_slots[t])
         torch.testing.assert_close(together[t], want, rtol=1e-5, atol=1e-5)
         alone = kernels.attend(query[t : t + 1].contiguous(), keys, values, flat_t, meta_t[t : t + 1], block, dim**-0.5)

@@ -175,10 +175,19 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* silu(gate) * up for one row [gate (k) | up (k)]: gate / (1 + exp(-gate)) * up, eight lanes at a time and the tail
- * through the same lanes (padded), so every element takes the same operations. */
+ * through the same lanes (padded), so every element takes the same operations, wherever it falls. */
 static void silu_gate_row(const float *x, int64_t k, float *y) {
     const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t i = 0; i < k; i += 8) {
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) { /* two vectors side by side, no copies */
+        const __m256 g0 = _mm256_loadu_ps(x + i), g1 = _mm256_loadu_ps(x + i + 8);
+        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g0));
+        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g1));
+        _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_div_ps(g0, _mm256_add_ps(one, e0)), _mm256_loadu_ps(x + k + i)));
+        _mm256_storeu_ps(y + i + 8,
+                         _mm256_mul_ps(_mm256_div_ps(g1, _mm256_add_ps(one, e1)), _mm256_loadu_ps(x + k + i + 8)));
+    }
+    for (; i < k; i += 8) {
         float g[8] = {0}, u[8] = {0}, r[8];
         const int64_t count = k - i < 8 ? k - i : 8;
         memcpy(g, x + i, (size_t)count * sizeof(float));
@@ -444,16 +453,120 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return sum;
 }
 
-/* exp(x - shift) of n values in place (eight lanes at a time, the tail padded), and their sum in a fixed order */
+/* lanes_sum of eight vectors at once, as one vector: lane r is lanes_sum(v[r]), the same tree on the same values (the
+ * eight vectors transposed, then added as lanes_sum adds its lanes) */
+static inline __m256 lanes_sums8(const __m256 v[8]) {
+    const __m256 a0 = _mm256_unpacklo_ps(v[0], v[1]), a1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 a2 = _mm256_unpacklo_ps(v[2], v[3]), a3 = _mm256_unpackhi_ps(v[2], v[3]);
+    const __m256 a4 = _mm256_unpacklo_ps(v[4], v[5]), a5 = _mm256_unpackhi_ps(v[4], v[5]);
+    const __m256 a6 = _mm256_unpacklo_ps(v[6], v[7]), a7 = _mm256_unpackhi_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_shuffle_ps(a0, a2, 0x44), b1 = _mm256_shuffle_ps(a0, a2, 0xEE);
+    const __m256 b2 = _mm256_shuffle_ps(a1, a3, 0x44), b3 = _mm256_shuffle_ps(a1, a3, 0xEE);
+    const __m256 b4 = _mm256_shuffle_ps(a4, a6, 0x44), b5 = _mm256_shuffle_ps(a4, a6, 0xEE);
+    const __m256 b6 = _mm256_shuffle_ps(a5, a7, 0x44), b7 = _mm256_shuffle_ps(a5, a7, 0xEE);
+    /* lane i of every vector, for i = 0..7 (t4..t7 from the upper halves) */
+    const __m256 t0 = _mm256_permute2f128_ps(b0, b4, 0x20), t4 = _mm256_permute2f128_ps(b0, b4, 0x31);
+    const __m256 t1 = _mm256_permute2f128_ps(b1, b5, 0x20), t5 = _mm256_permute2f128_ps(b1, b5, 0x31);
+    const __m256 t2 = _mm256_permute2f128_ps(b2, b6, 0x20), t6 = _mm256_permute2f128_ps(b2, b6, 0x31);
+    const __m256 t3 = _mm256_permute2f128_ps(b3, b7, 0x20), t7 = _mm256_permute2f128_ps(b3, b7, 0x31);
+    return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(t0, t4), _mm256_add_ps(t1, t5)),
+                         _mm256_add_ps(_mm256_add_ps(t2, t6), _mm256_add_ps(t3, t7)));
+}
+
+/* scores[j] = dot(query, the key at slots[j], dim) * scale for j < count: eight keys at a time, each key's dot the
+ * one chain dot() computes (eight lanes over dim in order, the lanes in lanes_sum's tree, the tail after them), so
+ * the same bits; the eight chains run side by side instead of one after another. Returns the largest score. */
+static float key_scores(const float *query, const float *keys, const int64_t *slots, int64_t count, int64_t dim,
+                        float scale, float *scores) {
+    float best = -INFINITY;
+    const int64_t whole = dim - dim % 8;
+    int64_t j = 0;
+    for (; j + 8 <= count; j += 8) {
+        const float *k[8];
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) k[r] = keys + slots[j + r] * dim, acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < whole; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(query + i);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + i), acc[r]);
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, lanes_sums8(acc));
+        for (int r = 0; r < 8; r++) {
+            float sum = sums[r];
+            for (int64_t i = whole; i < dim; i++) sum += query[i] * k[r][i];
+            scores[j + r] = sum * scale;
+            best = scores[j + r] > best ? scores[j + r] : best;
+        }
+    }
+    for (; j < count; j++) {
+        scores[j] = dot(query, keys + slots[j] * dim, dim) * scale;
+        best = scores[j] > best ? scores[j] : best;
+    }
+    return best;
+}
+
+/* o = sum over j < count of scores[j] * (the value at slots[j]), divided by sum: each output one chain over j in
+ * order, as before, but C vectors of outputs (8 * C of dim) side by side, so C chains run at once. */
+#define VALUE_CHAINS(C)                                                                                               \
+    static void value_chains##C(const float *scores, const float *values, const int64_t *slots, int64_t count,       \
+                                int64_t dim, float sum, float *o) {                                                   \
+        __m256 acc[C];                                                                                                \
+        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                                                     \
+        for (int64_t j = 0; j < count; j++) {                                                                         \
+            const __m256 s = _mm256_set1_ps(scores[j]);                                                               \
+            const float *v = values + slots[j] * dim;                                                                 \
+            for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(s, _mm256_loadu_ps(v + 8 * c), acc[c]);             \
+        }                                                                                                             \
+        const __m256 by = _mm256_set1_ps(sum);                                                                        \
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(acc[c], by));                           \
+    }
+VALUE_CHAINS(8)
+VALUE_CHAINS(4)
+VALUE_CHAINS(2)
+VALUE_CHAINS(1)
+
+static void weighted_values(const float *scores, const float *values, const int64_t *slots, int64_t count,
+                            int64_t dim, float sum, float *o) {
+    int64_t i = 0;
+    for (; i + 64 <= dim; i += 64) value_chains8(scores, values + i, slots, count, dim, sum, o + i);
+    if (i + 32 <= dim) value_chains4(scores, values + i, slots, count, dim, sum, o + i), i += 32;
+    if (i + 16 <= dim) value_chains2(scores, values + i, slots, count, dim, sum, o + i), i += 16;
+    if (i + 8 <= dim) value_chains1(scores, values + i, slots, count, dim, sum, o + i), i += 8;
+    for (; i < dim; i++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < count; j++) acc += scores[j] * values[slots[j] * dim + i];
+        o[i] = acc / sum;
+    }
+}
+
+/* exp(x - shift) of n values in place (eight lanes at a time, the tail padded), and their sum in a fixed order: the
+ * vectors added in turn, then their lanes in lanes_sum's tree. Four vectors' exponentials run side by side (exp8's
+ * polynomial is a chain of dependent steps); each value takes the same operations either way. */
 static float exp_shifted(float *x, int64_t n, float shift) {
     const __m256 by = _mm256_set1_ps(shift);
     __m256 total = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) {
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), by));
+        const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), by));
+        const __m256 e2 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 16), by));
+        const __m256 e3 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 24), by));
+        _mm256_storeu_ps(x + i, e0);
+        _mm256_storeu_ps(x + i + 8, e1);
+        _mm256_storeu_ps(x + i + 16, e2);
+        _mm256_storeu_ps(x + i + 24, e3);
+        total = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(_mm256_add_ps(total, e0), e1), e2), e3);
+    }
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), by));
+        _mm256_storeu_ps(x + i, e);
+        total = _mm256_add_ps(total, e);
+    }
+    if (i < n) {
         float v[8], r[8];
-        const int64_t count = n - i < 8 ? n - i : 8;
+        const int64_t count = n - i;
         for (int64_t j = 0; j < 8; j++) v[j] = j < count ? x[i + j] : -INFINITY;
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(v), by));
-        _mm256_storeu_ps(r, e);
+        _mm256_storeu_ps(r, exp8(_mm256_sub_ps(_mm256_loadu_ps(v), by)));
         for (int64_t j = count; j < 8; j++) r[j] = 0.0f; /* exp8 clamps, so -inf would not give 0 */
         total = _mm256_add_ps(total, _mm256_loadu_ps(r));
         memcpy(x + i, r, (size_t)count * sizeof(float));
@@ -496,31 +609,15 @@ int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t toke
         const int64_t *table = tables + meta[3 * t];
         const int64_t n = meta[3 * t + 1], own = meta[3 * t + 2];
         const int64_t count = n + (own >= 0);
-        for (int64_t p = 0; p < n; p++) slots[p] = table[p / block] * block + p % block;
+        for (int64_t p = 0, b = 0; p < n; b++) /* slot table[p / block] * block + p % block, without dividing */
+            for (int64_t o = 0; o < block && p < n; o++, p++) slots[p] = table[b] * block + o;
         if (own >= 0) slots[n] = own;
         for (int64_t h = 0; h < heads; h++) {
             const float *query = q + t * q_token + h * q_head;
             const float *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
-            float best = -INFINITY;
-            for (int64_t j = 0; j < count; j++) {
-                const float s = dot(query, k + slots[j] * dim, dim) * scale;
-                scores[j] = s;
-                best = s > best ? s : best;
-            }
+            const float best = key_scores(query, k, slots, count, dim, scale, scores);
             const float sum = exp_shifted(scores, count, best);
-            float *o = out + (t * heads + h) * dim;
-            int64_t i = 0;
-            for (; i + 8 <= dim; i += 8) {
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t j = 0; j < count; j++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[j]), _mm256_loadu_ps(v + slots[j] * dim + i), acc);
-                _mm256_storeu_ps(o + i, _mm256_div_ps(acc, _mm256_set1_ps(sum)));
-            }
-            for (; i < dim; i++) {
-                float acc = 0.0f;
-                for (int64_t j = 0; j < count; j++) acc += scores[j] * v[slots[j] * dim + i];
-                o[i] = acc / sum;
-            }
+            weighted_values(scores, v, slots, count, dim, sum, out + (t * heads + h) * dim);
         }
     }
     free(scores);
