@@ -23,7 +23,7 @@ from ead_llm.core.fused_llama import (
     Projection,
     RotaryTable,
     choose_kernel,
-    draft_bfloat16_kernel,
+    draft_bfloat16_kernels,
     first_kernel,
     rms_norm,
     tune_widths,
@@ -57,17 +57,17 @@ class FusedDraft:
         self.float32_kernel = choose_kernel(self.projections, passes=self.timed_pass)
         tune_widths(self.projections)
         self.bfloat16 = False
-        """Whether the products run in bfloat16 (:func:`~ead_llm.core.fused_llama.draft_bfloat16_kernel`)."""
+        """Whether the products run in bfloat16 (:func:`~ead_llm.core.fused_llama.draft_bfloat16_kernels`)."""
         self.use_bfloat16(self.bfloat16_pays() if bfloat16 is None else bfloat16)
 
     def bfloat16_pays(self) -> bool:
-        """Whether bfloat16 products are the default here: a bfloat16 kernel for this CPU (its own bfloat16 arithmetic,
-        or ead-llm's kernel widening bfloat16 weights on AVX2: :func:`~ead_llm.core.fused_llama.draft_bfloat16_kernel`),
-        and products of at least
+        """Whether bfloat16 products are the default here: a bfloat16 kernel for this CPU (its own bfloat16
+        arithmetic, or ead-llm's kernel widening bfloat16 weights on AVX2:
+        :func:`~ead_llm.core.fused_llama.draft_bfloat16_kernels`), and products of at least
         :data:`~ead_llm.core.fused_llama.PACK_MIN_BYTES` (a smaller draft's stay in the cache, where a call's fixed
         cost outweighs the bytes)."""
         size = sum(p.weight.numel() * p.weight.element_size() for p in self.projections)
-        return self.float32_kernel is not None and size >= PACK_MIN_BYTES and draft_bfloat16_kernel() is not None
+        return self.float32_kernel is not None and size >= PACK_MIN_BYTES and bool(draft_bfloat16_kernels())
 
     def bfloat16_possible(self) -> bool:
         """Whether :meth:`use_bfloat16` would take: the products float32 on a CPU, and every one's rows the same bits
@@ -75,10 +75,10 @@ class FusedDraft:
         change, so a pass under way may run meanwhile)."""
         if self.float32_kernel is None:
             return False
-        kernel = draft_bfloat16_kernel()
-        if kernel is None:
-            return False
-        return all(Projection(p.weight, p.bias, kernel=None).use(kernel) for p in self.projections)
+        return any(
+            all(Projection(p.weight, p.bias, kernel=None).use(kernel) for p in self.projections)
+            for kernel in draft_bfloat16_kernels()
+        )
 
     def use_bfloat16(self, on: bool) -> bool:  # noqa: FBT001 (a setter's value)
         """Run the products in bfloat16 (``on``) or as the model's float32 (its kernel as
@@ -88,8 +88,8 @@ class FusedDraft:
         float32."""
         if on == self.bfloat16 or self.float32_kernel is None:  # nothing prepared: F.linear on the model's weights
             return self.bfloat16
-        kernel = draft_bfloat16_kernel() if on else self.float32_kernel
-        if kernel is not None and all(p.use(kernel) for p in self.projections):
+        choices = draft_bfloat16_kernels() if on else (self.float32_kernel,)
+        if any(all(p.use(kernel) for p in self.projections) for kernel in choices):
             self.bfloat16 = on
         else:  # every product in one precision
             for p in self.projections:

@@ -97,12 +97,18 @@ def runs_here(kernel: str) -> bool:
     return kernels.available() if kernel in OURS else True
 
 
+def draft_bfloat16_kernels() -> tuple[str, ...]:
+    """The kernels a draft's bfloat16 products may run on here, the preferred first: :data:`BFLOAT16` where the CPU
+    has bfloat16 arithmetic, then :data:`NATIVE_BF16` where ead-llm's own kernel builds. A draft takes the first on
+    which every projection's rows get the same bits in any call (on an AMD Zen 4, oneDNN's bfloat16 product gave a
+    few rows of 64 other bits alone than among others, so the draft runs on ours there)."""
+    preferred = (BFLOAT16,) if bfloat16_native() else ()
+    return (*preferred, *((NATIVE_BF16,) if kernels.available() else ()))
+
+
 def draft_bfloat16_kernel() -> str | None:
-    """The kernel a draft's bfloat16 products run on here: :data:`BFLOAT16` where the CPU has bfloat16 arithmetic,
-    else :data:`NATIVE_BF16` where ead-llm's own kernel builds, else None."""
-    if bfloat16_native():
-        return BFLOAT16
-    return NATIVE_BF16 if kernels.available() else None
+    """The preferred of :func:`draft_bfloat16_kernels`, or None where there is none."""
+    return next(iter(draft_bfloat16_kernels()), None)
 
 
 BF16_ROWS = 64
@@ -228,12 +234,15 @@ class Projection:
         """The row count from which rows called in groups of one and of each of ``counts`` get the bits they get
         among 64 (one past the largest count that differs; 1 when all agree). Which code path a kernel takes for a
         row count depends on the shape and the CPU, so it is asked, not assumed: another path sums in another order
-        and differs on random rows."""
+        and differs on random rows, though not on every one (oneDNN's bfloat16 product for one row, on an AMD Zen 4:
+        2 to 5 rows of 64), so every row is asked alone."""
         probe = torch.randn(64, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             together = self._packed(probe)
 
             def agree(rows: int) -> bool:
+                if rows == 1:
+                    return all(torch.equal(self._packed(probe[r : r + 1]), together[r : r + 1]) for r in range(64))
                 return torch.equal(self._packed(probe[:rows]), together[:rows]) and torch.equal(
                     self._packed(probe[-rows:]), together[-rows:]
                 )

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from ead_llm import EAD, EAGER, EASD, LargeOnly, SmallOnly, SpeculativeDecoding
-from ead_llm.core import fused_llama
+from ead_llm.core import fused_llama, kernels
 from ead_llm.core.engine import Engine
 from ead_llm.core.fused_draft import FusedDraft
 from ead_llm.core.fused_llama import BFLOAT16, NATIVE_BF16, draft_bfloat16_kernel
@@ -347,7 +347,7 @@ def test_a_cpu_with_no_bfloat16_kernel_keeps_the_draft_float32_and_says_so(
     reports float32, never a float32 kernel under the bfloat16 name."""
     from ead_llm.core import fused_draft
 
-    monkeypatch.setattr(fused_draft, "draft_bfloat16_kernel", lambda: None)
+    monkeypatch.setattr(fused_draft, "draft_bfloat16_kernels", tuple)
     pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
     engine = Engine(pair, draft_bfloat16=True)
     draft = engine.runners[Role.SMALL]._draft
@@ -379,6 +379,33 @@ def test_a_draft_whose_bfloat16_rows_would_follow_their_batch_stays_float32_and_
     with _held_mid_request(engine):  # another object asking for it while requests run: refused as when idle
         engine.draft_bfloat16 = True
         assert engine.draft_bfloat16 is False and "stay as they are" in caplog.text
+    engine.close()
+
+
+@pytest.mark.skipif(not kernels.available(), reason="falls back to ead-llm's own kernel, which does not build here")
+def test_a_draft_whose_preferred_bfloat16_kernel_follows_the_batch_takes_ours(
+    feature_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the CPU's bfloat16 kernel (oneDNN's, preferred where the CPU has bfloat16 arithmetic) would give a row
+    other bits in another call, the draft runs its bfloat16 products on ead-llm's own kernel instead of float32."""
+    from ead_llm.core import fused_draft
+
+    monkeypatch.setattr(fused_llama, "_AGREEMENT", {})
+    monkeypatch.setattr(fused_draft, "draft_bfloat16_kernels", lambda: (BFLOAT16, NATIVE_BF16))  # as on a Zen 4
+    probe = fused_llama.Projection._agreeing_from
+    monkeypatch.setattr(
+        fused_llama.Projection,
+        "_agreeing_from",
+        lambda self, counts: 2 if self.kernel == BFLOAT16 else probe(self, counts),  # a row alone differs
+    )
+    pair = load_pair(LoadConfig(small=str(feature_pair[0]), large=str(feature_pair[1]), device="cpu"))
+    engine = Engine(pair, draft_bfloat16=True)
+    draft = engine.runners[Role.SMALL]._draft
+    assert draft is not None and engine.draft_bfloat16 is True
+    assert {p.kernel for p in draft.projections} == {NATIVE_BF16}
+    assert draft.bfloat16_possible()
+    want = [o.token_ids for o in _generate(engine, LargeOnly())]
+    assert [o.token_ids for o in _generate(engine, SpeculativeDecoding(gamma=3))] == want
     engine.close()
 
 
