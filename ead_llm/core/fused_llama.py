@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import math
 import operator
 import os
@@ -39,6 +40,8 @@ from ead_llm.core.sources import cache_dir, cache_lock
 
 if TYPE_CHECKING:
     from ead_llm.core.model_runner import PackedBatch
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("llama", "mistral", "qwen2")
 
@@ -346,6 +349,50 @@ def tune_widths(projections: list[Projection], repeats: int = 3) -> tuple[int, .
 _TUNED: dict[tuple[Any, ...], tuple[int, ...]] = {}
 """Widths already timed in this process, by thread count and the projections' kernels and shapes: a second engine
 on the same model (or another model of the same shapes) takes them instead of timing again."""
+
+
+GROUP_CHOICES = (kernels.GROUP_MOST, 4)
+""":func:`tune_group`'s candidates for the most rows a group of the kernel takes, the kernel's default first."""
+GROUP_ROWS = (5, 6)
+"""The calls :func:`tune_group` times: a verification of four or five drafts (fewer rows run as one group anyway)."""
+GROUP_MARGIN = 0.95
+"""Another group size is taken only when its calls run in at most this share of the default's time."""
+_chosen_group: list[int] = []
+"""The group size this process took (:func:`tune_group` times it once)."""
+
+
+def tune_group(projections: list[Projection], repeats: int = 5) -> int:
+    """Time a memory-bound model's products at :data:`GROUP_ROWS` rows with each of :data:`GROUP_CHOICES` as the
+    kernel's group size (:func:`ead_llm.core.kernels.set_group`), interleaved, and keep the fastest: once per
+    process, by the first model on ead-llm's float32 kernel with at least :data:`PACK_MIN_BYTES` of weights (a smaller
+    one's products stay in the cache, where this does not show). On an AMD Zen 4, SmolLM2's products at 5 and 6
+    rows took 26.5 and 28.0 ms as one group and 24.5 and 24.4 as two of at most 4 rows; on Intel and Zen 3 the
+    default stays unless its timing says so. Changes time only, never bits. Returns the group size in force."""
+    packed = [p for p in projections if p.kernel == "native" and p.packed is not None]
+    size = sum(p.weight.numel() * p.weight.element_size() for p in packed)
+    if _chosen_group or not packed or size < PACK_MIN_BYTES:
+        return kernels.group() if packed else GROUP_CHOICES[0]
+    gen = torch.Generator().manual_seed(0)
+    inputs = {rows: [torch.randn(rows, p.weight.shape[1], generator=gen) for p in packed] for rows in GROUP_ROWS}
+
+    def products(most: int) -> Callable[[], object]:
+        def run() -> object:
+            kernels.set_group(most)
+            return [p._packed(x) for xs in inputs.values() for p, x in zip(packed, xs, strict=True)]
+
+        return run
+
+    try:
+        seconds = _fastest_samples({most: products(most) for most in GROUP_CHOICES}, repeats)
+    finally:
+        kernels.set_group(GROUP_CHOICES[0])
+    default = seconds[GROUP_CHOICES[0]]
+    best = min(seconds, key=lambda most: (seconds[most], most != GROUP_CHOICES[0]))
+    chosen = best if seconds[best] <= GROUP_MARGIN * default else GROUP_CHOICES[0]
+    kernels.set_group(chosen)
+    _chosen_group.append(chosen)
+    log.info("kernel groups of at most %d rows (%s ms)", chosen, {m: round(t * 1e3, 2) for m, t in seconds.items()})
+    return chosen
 
 
 def _shapes(packed: list[Projection]) -> tuple[tuple[Any, ...], ...]:
@@ -784,6 +831,7 @@ class FusedLlama:
         """The layers as :func:`ead_llm.core.kernels.layers` reads them, and the packed weights it was built from
         (:meth:`_native_table`)."""
         choose_kernel(self.projections, passes=self.timed_pass)
+        tune_group(self.projections)
         tune_widths(self.projections)
 
     def timed_pass(self, tokens: int) -> torch.Tensor:

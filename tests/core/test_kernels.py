@@ -565,3 +565,67 @@ def test_a_process_forked_after_threaded_calls_runs_the_kernel_on_one_thread() -
         if child.is_alive():
             child.kill()
     assert same_bits(torch.tensor(got), want)
+
+
+@needs_kernel
+def test_the_group_size_changes_no_bits() -> None:
+    """A call of 1 to 13 rows gives every row the same bits with groups of at most 1 to 6 rows (float32 and bfloat16
+    weights, plain and fused with a residual), and a group size out of range is refused."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(72, 40, generator=gen)
+    x = torch.randn(13, 40, generator=gen)
+    residual = torch.randn(13, 72, generator=gen)
+    was = kernels.group()
+    try:
+        for bfloat16 in (False, True):
+            packed = kernels.pack(weight, bfloat16=bfloat16)
+            for rows in range(1, 14):
+                want = None
+                for most in range(kernels.GROUP_MOST, 0, -1):
+                    kernels.set_group(most)
+                    assert kernels.group() == most
+                    got = (
+                        kernels.linear(x[:rows], packed, 72, None),
+                        kernels.fused(x[:rows], packed, 72, None, residual=residual[:rows]),
+                    )
+                    if want is None:
+                        want = got
+                    assert all(same_bits(a, b) for a, b in zip(got, want, strict=True)), (bfloat16, rows, most)
+    finally:
+        kernels.set_group(was)
+    for most in (0, kernels.GROUP_MOST + 1):
+        with pytest.raises(ValueError, match="a group holds"):
+            kernels.set_group(most)
+    assert kernels.group() == was
+
+
+@needs_kernel
+def test_tune_group_keeps_the_default_unless_another_size_is_clearly_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first memory-bound model decides once per process: another group size only below the margin, a model
+    smaller than PACK_MIN_BYTES never decides, and a model after the first keeps the choice."""
+    gen = torch.Generator().manual_seed(12)
+    big = [Projection(torch.randn(1024, 1024, generator=gen), None, kernel="native")]
+    small = [Projection(torch.randn(64, 64, generator=gen), None, kernel="native")]
+    assert big[0].kernel == "native" and small[0].kernel == "native"
+    default, other = fused_llama.GROUP_CHOICES
+    was = kernels.group()
+    timed: list[dict[int, float]] = []
+
+    def fake_samples(work: dict[int, Any], repeats: int) -> dict[int, float]:
+        for call in work.values():
+            call()  # each candidate's calls run under its own group size
+        return timed.pop(0)
+
+    monkeypatch.setattr(fused_llama, "_fastest_samples", fake_samples)
+    try:
+        for seconds, want in (({default: 1.0, other: 0.97}, default), ({default: 1.0, other: 0.9}, other)):
+            monkeypatch.setattr(fused_llama, "_chosen_group", [])
+            timed.append(seconds)
+            assert fused_llama.tune_group(small) == kernels.group() == default  # too small to decide: not timed
+            assert timed and fused_llama._chosen_group == []
+            assert fused_llama.tune_group(big) == kernels.group() == want
+            assert not timed
+            assert fused_llama._chosen_group == [want]
+            assert fused_llama.tune_group(big) == want  # decided: not timed again
+    finally:
+        kernels.set_group(was)

@@ -104,6 +104,9 @@ def _load() -> ctypes.CDLL | None:
     library.ead_nucleus.argtypes = [pointer, int64, int64, int64, pointer, ctypes.c_double, pointer, pointer, pointer]
     library.ead_nucleus.restype = int64
     library.ead_rows_panel_width.restype = int64
+    library.ead_rows_set_group.argtypes = [int64]
+    library.ead_rows_set_group.restype = None
+    library.ead_rows_group.restype = int64
     return library
 
 
@@ -160,6 +163,28 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         bias_at = None if bias is None else bias.contiguous().data_ptr()
         run(x.data_ptr(), rows, k, packed.data_ptr(), out_features, bias_at, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+GROUP_MOST = 6
+"""The most rows one call of the kernel's micro-kernels takes (``MR`` in ``rows.c``): :func:`set_group`'s ceiling."""
+
+
+def group() -> int:
+    """The most rows the kernel runs as one group over a panel (a call of more rows runs as several groups of even
+    size; see ``ead_rows_set_group`` in ``rows.c``)."""
+    library = _library()
+    return GROUP_MOST if library is None else int(library.ead_rows_group())
+
+
+def set_group(most: int) -> None:
+    """Run calls as groups of at most ``most`` rows (1 to :data:`GROUP_MOST`), for every caller in this process:
+    their time changes, never their bits (each output is one chain over its inputs in any group)."""
+    if not 1 <= most <= GROUP_MOST:
+        raise ValueError(f"a group holds 1 to {GROUP_MOST} rows, got {most}")
+    library = _library()
+    if library is None:
+        raise RuntimeError("ead-llm's own CPU kernel is not available here (see ead_llm.core.kernels.available)")
+    library.ead_rows_set_group(most)
 
 
 ROTARY_MAX_DIM = 512

@@ -109,6 +109,17 @@ static void over_panels(panel_work work, const void *args, int64_t panels, int64
 
 int64_t ead_rows_panel_width(void) { return NR; }
 
+/* The most rows one micro-kernel call takes (1 to MR): a call of m rows runs as ceil(m / most) groups of even size.
+ * Which is fastest depends on the CPU: on an AMD Zen 4, SmolLM2's products at 5 and 6 rows took 26.5 and 28.0 ms as
+ * one group and 24.5 and 24.4 as two (most = 4). Each output is one chain over k in order whatever group its row
+ * falls in, so the group size changes time, never bits. Set by the engine from its own timing
+ * (ead_llm.core.fused_llama.tune_group). */
+static int64_t group_most = MR;
+void ead_rows_set_group(int64_t most) {
+    __atomic_store_n(&group_most, most < 1 ? 1 : most > MR ? MR : most, __ATOMIC_RELAXED);
+}
+int64_t ead_rows_group(void) { return __atomic_load_n(&group_most, __ATOMIC_RELAXED); }
+
 /* ead_rows_pack (float32) and ead_rows_pack16 (bfloat16 bits): w [n][k] -> [panels][k][NR], zero past n */
 #define PACK(NAME, T)                                                                                                 \
     void NAME(const T *w, int64_t n, int64_t k, T *out) {                                                             \
@@ -370,8 +381,9 @@ struct block {
         const W *packed = (const W *)a->packed;                                                                       \
         int64_t m = a->m, k = a->k, n = a->n;                                                                         \
         float *out = a->out;                                                                                          \
-        /* groups of even size (7 rows: 4 + 3, not 6 + 1: a group of 1 to 4 rows costs its chains' latency) */         \
-        int64_t least = (m + MR - 1) / MR, step = (m + least - 1) / least;                                            \
+        /* groups of even size (7 rows: 4 + 3, not 6 + 1: a group of 1 to 4 rows costs its chains' latency), of at    \
+         * most ead_rows_group() rows */                                                                              \
+        int64_t most = ead_rows_group(), least = (m + most - 1) / most, step = (m + least - 1) / least;               \
         int64_t groups = (m + step - 1) / step, share = (k + groups - 1) / groups;                                    \
         int64_t p = first;                                                                                            \
         if (m >= 1 && m <= TILE_ROWS) /* whole panels QUAD at a time (the last, maybe partial, ones below) */        \
