@@ -288,6 +288,9 @@ def test_the_attention_kernel_reads_each_query_over_its_own_table_and_nothing_el
         torch.testing.assert_close(together[t], want, rtol=1e-5, atol=1e-5)
         alone = kernels.attend(query[t : t + 1].contiguous(), keys, values, flat_t, meta_t[t : t + 1], block, dim**-0.5)
         assert same_bits(alone, together[t : t + 1])
+    steep = kernels.attend(query * 60, keys, values, flat_t, meta_t, block, dim**-0.5)  # scores far past exp's range
+    for t in range(rows):
+        torch.testing.assert_close(steep[t], _attention_reference(query[t] * 60, keys, values, rows_slots[t]))
 
 
 @needs_kernel
