@@ -485,90 +485,70 @@ static inline __m256 lanes_sums8(const __m256 v[8]) {
                          _mm256_add_ps(_mm256_add_ps(t2, t6), _mm256_add_ps(t3, t7)));
 }
 
-/* scores[h * count + j] = dot(queries[h], the key at slots[j], dim) * scale for each of `group` query heads that
- * read one KV head, j < count: eight keys at a time, each head's eight dots over them while they are in L1, each
- * dot the one chain dot() computes (eight lanes over dim in order, the lanes in lanes_sum's tree, the tail after
- * them), so the same bits; the eight chains run side by side instead of one after another. best[h]: each head's
- * largest score. */
-static void key_scores(const float *const *queries, int64_t group, const float *keys, const int64_t *slots,
-                       int64_t count, int64_t dim, float scale, float *scores, float *best) {
+/* scores[j] = dot(query, the key at slots[j], dim) * scale for j < count: eight keys at a time, each key's dot the
+ * one chain dot() computes (eight lanes over dim in order, the lanes in lanes_sum's tree, the tail after them), so
+ * the same bits; the eight chains run side by side instead of one after another. Returns the largest score. */
+static float key_scores(const float *query, const float *keys, const int64_t *slots, int64_t count, int64_t dim,
+                        float scale, float *scores) {
+    float best = -INFINITY;
     const int64_t whole = dim - dim % 8;
-    for (int64_t h = 0; h < group; h++) best[h] = -INFINITY;
     int64_t j = 0;
     for (; j + 8 <= count; j += 8) {
         const float *k[8];
-        for (int r = 0; r < 8; r++) k[r] = keys + slots[j + r] * dim;
-        for (int64_t h = 0; h < group; h++) {
-            const float *query = queries[h];
-            __m256 acc[8];
-            for (int r = 0; r < 8; r++) acc[r] = _mm256_setzero_ps();
-            for (int64_t i = 0; i < whole; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(query + i);
-                for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + i), acc[r]);
-            }
-            float sums[8];
-            _mm256_storeu_ps(sums, lanes_sums8(acc));
-            float *row = scores + h * count;
-            for (int r = 0; r < 8; r++) {
-                float sum = sums[r];
-                for (int64_t i = whole; i < dim; i++) sum += query[i] * k[r][i];
-                row[j + r] = sum * scale;
-                best[h] = row[j + r] > best[h] ? row[j + r] : best[h];
-            }
+        __m256 acc[8];
+        for (int r = 0; r < 8; r++) k[r] = keys + slots[j + r] * dim, acc[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < whole; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(query + i);
+            for (int r = 0; r < 8; r++) acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[r] + i), acc[r]);
+        }
+        float sums[8];
+        _mm256_storeu_ps(sums, lanes_sums8(acc));
+        for (int r = 0; r < 8; r++) {
+            float sum = sums[r];
+            for (int64_t i = whole; i < dim; i++) sum += query[i] * k[r][i];
+            scores[j + r] = sum * scale;
+            best = scores[j + r] > best ? scores[j + r] : best;
         }
     }
-    for (; j < count; j++)
-        for (int64_t h = 0; h < group; h++) {
-            float *row = scores + h * count;
-            row[j] = dot(queries[h], keys + slots[j] * dim, dim) * scale;
-            best[h] = row[j] > best[h] ? row[j] : best[h];
-        }
+    for (; j < count; j++) {
+        scores[j] = dot(query, keys + slots[j] * dim, dim) * scale;
+        best = scores[j] > best ? scores[j] : best;
+    }
+    return best;
 }
 
-/* acc[:8C] += sum over j in [from, to) of scores[j] * (the value at slots[j])[:8C], in order of j: C chains side by
- * side, carried through acc (stored and loaded exactly) from one block of positions to the next. */
+/* o = sum over j < count of scores[j] * (the value at slots[j]), divided by sum: each output one chain over j in
+ * order, as before, but C vectors of outputs (8 * C of dim) side by side, so C chains run at once. */
 #define VALUE_CHAINS(C)                                                                                               \
-    static void value_chains##C(const float *scores, const float *values, const int64_t *slots, int64_t from,        \
-                                int64_t to, int64_t dim, float *acc_at) {                                             \
+    static void value_chains##C(const float *scores, const float *values, const int64_t *slots, int64_t count,       \
+                                int64_t dim, float sum, float *o) {                                                   \
         __m256 acc[C];                                                                                                \
-        for (int c = 0; c < C; c++) acc[c] = _mm256_loadu_ps(acc_at + 8 * c);                                         \
-        for (int64_t j = from; j < to; j++) {                                                                         \
+        for (int c = 0; c < C; c++) acc[c] = _mm256_setzero_ps();                                                     \
+        for (int64_t j = 0; j < count; j++) {                                                                         \
             const __m256 s = _mm256_set1_ps(scores[j]);                                                               \
             const float *v = values + slots[j] * dim;                                                                 \
             for (int c = 0; c < C; c++) acc[c] = _mm256_fmadd_ps(s, _mm256_loadu_ps(v + 8 * c), acc[c]);             \
         }                                                                                                             \
-        for (int c = 0; c < C; c++) _mm256_storeu_ps(acc_at + 8 * c, acc[c]);                                         \
+        const __m256 by = _mm256_set1_ps(sum);                                                                        \
+        for (int c = 0; c < C; c++) _mm256_storeu_ps(o + 8 * c, _mm256_div_ps(acc[c], by));                           \
     }
 VALUE_CHAINS(8)
 VALUE_CHAINS(4)
 VALUE_CHAINS(2)
 VALUE_CHAINS(1)
 
-#define VALUE_BLOCK 16 /* positions whose values (4 KB at dim 64) the group's heads read while they are in L1 */
-
-/* outs[h] = sum over j < count of scores[h * count + j] * (the value at slots[j]), divided by sums[h], for each of
- * `group` heads reading one KV head: each output one chain over j in order from zero (blocks of VALUE_BLOCK
- * positions in turn, every head through each block while its values are in L1), then divided: the same bits as one
- * head at a time. acc: group * dim floats of scratch. */
-static void weighted_values(const float *scores, int64_t group, const float *values, const int64_t *slots,
-                            int64_t count, int64_t dim, const float *sums, float *const *outs, float *acc) {
-    memset(acc, 0, (size_t)(group * dim) * sizeof(float));
-    for (int64_t from = 0; from < count; from += VALUE_BLOCK) {
-        const int64_t to = count - from < VALUE_BLOCK ? count : from + VALUE_BLOCK;
-        for (int64_t h = 0; h < group; h++) {
-            const float *row = scores + h * count;
-            float *a = acc + h * dim;
-            int64_t i = 0;
-            for (; i + 64 <= dim; i += 64) value_chains8(row, values + i, slots, from, to, dim, a + i);
-            if (i + 32 <= dim) value_chains4(row, values + i, slots, from, to, dim, a + i), i += 32;
-            if (i + 16 <= dim) value_chains2(row, values + i, slots, from, to, dim, a + i), i += 16;
-            if (i + 8 <= dim) value_chains1(row, values + i, slots, from, to, dim, a + i), i += 8;
-            for (; i < dim; i++)
-                for (int64_t j = from; j < to; j++) a[i] += row[j] * values[slots[j] * dim + i];
-        }
+static void weighted_values(const float *scores, const float *values, const int64_t *slots, int64_t count,
+                            int64_t dim, float sum, float *o) {
+    int64_t i = 0;
+    for (; i + 64 <= dim; i += 64) value_chains8(scores, values + i, slots, count, dim, sum, o + i);
+    if (i + 32 <= dim) value_chains4(scores, values + i, slots, count, dim, sum, o + i), i += 32;
+    if (i + 16 <= dim) value_chains2(scores, values + i, slots, count, dim, sum, o + i), i += 16;
+    if (i + 8 <= dim) value_chains1(scores, values + i, slots, count, dim, sum, o + i), i += 8;
+    for (; i < dim; i++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < count; j++) acc += scores[j] * values[slots[j] * dim + i];
+        o[i] = acc / sum;
     }
-    for (int64_t h = 0; h < group; h++)
-        for (int64_t i = 0; i < dim; i++) outs[h][i] = acc[h * dim + i] / sums[h];
 }
 
 /* exp(x - shift) of n values in place (eight lanes at a time, the tail padded), and their sum in a fixed order: the
@@ -629,21 +609,14 @@ int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t toke
         const int64_t count = meta[3 * t + 1] + (meta[3 * t + 2] >= 0);
         most = count > most ? count : most;
     }
-    const int64_t group = heads / kv_heads;
-    float *scores = (float *)malloc((size_t)(group * most) * sizeof(float));
+    float *scores = (float *)malloc((size_t)most * sizeof(float));
     int64_t *slots = (int64_t *)malloc((size_t)most * sizeof(int64_t));
-    float *acc = (float *)malloc((size_t)(group * dim + 2 * group) * sizeof(float));
-    const float **queries = (const float **)malloc((size_t)group * sizeof(float *));
-    float **outs = (float **)malloc((size_t)group * sizeof(float *));
-    if (!scores || !slots || !acc || !queries || !outs) {
+    if (!scores || !slots) {
         free(scores);
         free(slots);
-        free(acc);
-        free(queries);
-        free(outs);
         return -1;
     }
-    float *best = acc + group * dim, *sums = best + group;
+    const int64_t group = heads / kv_heads;
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t *table = tables + meta[3 * t];
         const int64_t n = meta[3 * t + 1], own = meta[3 * t + 2];
@@ -651,22 +624,16 @@ int64_t ead_attend(const float *q, int64_t q_token, int64_t q_head, int64_t toke
         for (int64_t p = 0, b = 0; p < n; b++) /* slot table[p / block] * block + p % block, without dividing */
             for (int64_t o = 0; o < block && p < n; o++, p++) slots[p] = table[b] * block + o;
         if (own >= 0) slots[n] = own;
-        for (int64_t g = 0; g < kv_heads; g++) { /* the query heads g * group .. that read KV head g, together */
-            for (int64_t h = 0; h < group; h++) {
-                queries[h] = q + t * q_token + (g * group + h) * q_head;
-                outs[h] = out + (t * heads + g * group + h) * dim;
-            }
-            const float *k = keys + g * capacity * dim, *v = values + g * capacity * dim;
-            key_scores(queries, group, k, slots, count, dim, scale, scores, best);
-            for (int64_t h = 0; h < group; h++) sums[h] = exp_shifted(scores + h * count, count, best[h]);
-            weighted_values(scores, group, v, slots, count, dim, sums, outs, acc);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *query = q + t * q_token + h * q_head;
+            const float *k = keys + (h / group) * capacity * dim, *v = values + (h / group) * capacity * dim;
+            const float best = key_scores(query, k, slots, count, dim, scale, scores);
+            const float sum = exp_shifted(scores, count, best);
+            weighted_values(scores, v, slots, count, dim, sum, out + (t * heads + h) * dim);
         }
     }
     free(scores);
     free(slots);
-    free(acc);
-    free(queries);
-    free(outs);
     return 0;
 }
 
